@@ -1,0 +1,112 @@
+"""Direction rules: how a step's reduced sketches become update factors ``D``.
+
+A rule transforms every sketch view of a :class:`FlatSketchBuffer` into its direction in place
+(the sketch is not needed once the direction exists, and the in-place form saves a buffer the
+size of all sketches). The optimizer then merges ``-lr * D A`` into the weights.
+
+``sgd`` (D = S) and ``row_adam`` (library RowAdam) live here. The paper's direction (RowAdam with
+relative floor, row-scale normalisation, layer-norm restoration and a global update ratio) is a
+further rule behind the same interface; it needs the token count and the weight norms, which
+reach it through :class:`DirectionContext`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from megatron_logra.row_adam import row_adam_direction
+from megatron_logra.sketch_buffer import FlatSketchBuffer
+
+DIRECTIONS: tuple[str, ...] = ("row_adam", "sgd")
+
+
+@dataclass(frozen=True)
+class DirectionContext:
+    """What a rule may need besides the sketches.
+
+    Attributes:
+        step: 1-based number of the update being prepared.
+    """
+
+    step: int
+
+
+class DirectionRule(Protocol):
+    """Turns sketches into directions in place and owns any per-row state."""
+
+    name: str
+
+    def apply_(self, sketches: FlatSketchBuffer, context: DirectionContext) -> None: ...
+
+    def state_tensors(self) -> Mapping[str, torch.Tensor]: ...
+
+
+class SgdDirection:
+    """``D = S``: plain (projected) gradient descent; with ``A = I`` it is Megatron's SGD."""
+
+    name = "sgd"
+
+    def apply_(self, sketches: FlatSketchBuffer, context: DirectionContext) -> None:
+        del sketches, context
+
+    def state_tensors(self) -> Mapping[str, torch.Tensor]:
+        return {}
+
+
+class RowAdamDirection:
+    """Library-mode RowAdam (see :mod:`megatron_logra.row_adam`) over every slot of a buffer.
+
+    The row moments of all layers are one flat fp32 tensor (``row_second_moment``) in slot
+    order, so checkpointing and memory accounting see a single state tensor.
+    """
+
+    name = "row_adam"
+
+    def __init__(self, sketches: FlatSketchBuffer, *, beta2: float, eps: float) -> None:
+        if not 0.0 <= beta2 < 1.0:
+            raise ValueError(f"logra.beta2 must be in [0, 1), got {beta2}")
+        if eps <= 0.0:
+            raise ValueError(f"logra.eps must be positive, got {eps}")
+        self.beta2 = beta2
+        self.eps = eps
+        total_rows = sum(slot.rows for slot in sketches.slots)
+        self.row_second_moment = torch.zeros(
+            total_rows, dtype=torch.float32, device=sketches.data.device
+        )
+        self._moments: dict[str, torch.Tensor] = {}
+        offset = 0
+        for slot in sketches.slots:
+            self._moments[slot.layer_key] = self.row_second_moment[offset : offset + slot.rows]
+            offset += slot.rows
+
+    def moment(self, layer_key: str) -> torch.Tensor:
+        return self._moments[layer_key]
+
+    def apply_(self, sketches: FlatSketchBuffer, context: DirectionContext) -> None:
+        for slot, sketch_OR in sketches.items():
+            direction_OR = row_adam_direction(
+                sketch_OR,
+                self._moments[slot.layer_key],
+                step=context.step,
+                beta2=self.beta2,
+                eps=self.eps,
+            )
+            sketch_OR.copy_(direction_OR)
+
+    def state_tensors(self) -> Mapping[str, torch.Tensor]:
+        return {"row_second_moment": self.row_second_moment}
+
+
+def make_direction_rule(
+    name: str, sketches: FlatSketchBuffer, *, beta2: float, eps: float
+) -> DirectionRule:
+    """Build the rule named by ``logra.direction``."""
+    if name == "sgd":
+        return SgdDirection()
+    if name == "row_adam":
+        return RowAdamDirection(sketches, beta2=beta2, eps=eps)
+    raise ValueError(f"logra.direction={name!r} is not one of {DIRECTIONS}")

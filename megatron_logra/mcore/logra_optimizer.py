@@ -1,0 +1,336 @@
+"""LoGRA as a Megatron optimizer, chained with Megatron's own optimizer for everything else.
+
+:class:`LoGRAOptimizer` owns the target weights of one rank: their flat fp32 sketch buffer, the
+projections, the direction rule's state (RowAdam row moments) and the update count. It follows
+Megatron's ``MegatronOptimizer`` contract (``prepare_grads`` / ``step_with_ready_grads`` /
+``zero_grad`` / ``param_groups`` for the LR scheduler / ``state_dict``), so it chains with the
+DDP-backed Adam or SGD that trains the embeddings, norms, biases and output layer.
+
+:class:`LoGRAChainedOptimizer` is Megatron's ``ChainedOptimizer`` with one change: the global
+gradient norm counts every sketch as the gradient it stands for, the reconstructed ``S A``
+(computed through ``A A^T``, never by reconstruction), so a single norm and a single clip
+coefficient cover dense and sketched parameters alike. With ``A = I`` that norm is exactly the
+dense gradient norm of an ordinary Megatron run.
+
+Step anatomy (driven by Megatron's schedule and the training loop):
+
+1. ``zero_grad``: the flat sketch buffer is zeroed with the DDP grad buffers.
+2. forward/backward over the microbatches: sketched layers accumulate ``H^T P``.
+3. ``finalize_model_grads`` (installed by :mod:`megatron_logra.mcore.training_setup`): after
+   Megatron's own DP reduction, :meth:`LoGRAOptimizer.reduce_sketches` sums the buffer over DP
+   (and row-parallel partials over TP) and applies the same scaling Megatron applied to the
+   dense gradients (1/num_tokens, or 1/dp).
+4. ``step``: global norm -> clip -> direction (in place) -> ``W <- (1 - lr wd) W - lr D A`` ->
+   ``update_count += 1`` -> fresh projections.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+from megatron.core.optimizer.optimizer import ChainedOptimizer, MegatronOptimizer
+from torch import distributed as dist
+
+from megatron_logra.config import LoGRAConfig
+from megatron_logra.direction import DirectionContext, DirectionRule, make_direction_rule
+from megatron_logra.mcore.layers import LayerSketch
+from megatron_logra.mcore.parallel import ParallelGroups
+from megatron_logra.mcore.targets import SketchTarget
+from megatron_logra.projection import generate_projection, projection_key
+from megatron_logra.sketch import apply_low_rank_update_, reconstructed_sq_norm
+from megatron_logra.sketch_buffer import FlatSketchBuffer, SketchSlot
+
+
+class _TargetParamGroups(torch.optim.Optimizer):
+    """Holds the target weights in one param group so Megatron's LR scheduler drives their lr
+    and weight decay like any other group. It never steps: LoGRA updates the weights itself."""
+
+    def __init__(self, weights: Sequence[torch.nn.Parameter], *, lr: float, weight_decay: float):
+        super().__init__(
+            [{"params": list(weights), "wd_mult": 1.0, "lr_mult": 1.0, "is_decoupled_lr": False}],
+            {"lr": lr, "weight_decay": weight_decay},
+        )
+
+    def step(self, closure: Any = None) -> None:
+        raise RuntimeError("LoGRA target weights are updated by LoGRAOptimizer, not stepped")
+
+
+class LoGRAOptimizer(MegatronOptimizer):
+    """Sketch-based updates of this rank's target weights (library mode).
+
+    Args:
+        targets: the sketched linears on this rank (their weights must be frozen to autograd).
+        logra: the run's LoGRA section.
+        config: the Megatron optimizer config shared with the chained native optimizer (lr,
+            weight decay and clip_grad come from it and from the scheduler).
+        groups: process groups of this rank.
+    """
+
+    def __init__(
+        self,
+        targets: Sequence[SketchTarget],
+        *,
+        logra: LoGRAConfig,
+        config: MegatronOptimizerConfig,
+        groups: ParallelGroups,
+    ) -> None:
+        if not targets:
+            raise ValueError("LoGRAOptimizer needs at least one target on this rank")
+        for target in targets:
+            if target.weight.requires_grad:
+                raise RuntimeError(
+                    f"{target.layer_key}.weight still requires grad; freeze sketched weights "
+                    "before building DDP so they stay out of its grad buffer"
+                )
+            if target.weight.dtype != torch.float32:
+                raise ValueError(
+                    f"{target.layer_key}.weight is {target.weight.dtype}; library mode merges "
+                    "updates into fp32 weights (model.params_dtype=fp32)"
+                )
+        holder = _TargetParamGroups(
+            [t.weight for t in targets], lr=config.lr, weight_decay=config.weight_decay
+        )
+        super().__init__(holder, config, init_state_fn=lambda *args: None)
+        self.is_stub_optimizer = False
+        self.targets = list(targets)
+        self.logra = logra
+        self.groups = groups
+        self.update_count = 0
+        device = targets[0].weight.device
+        self.sketches = FlatSketchBuffer(
+            [
+                SketchSlot(t.layer_key, t.rows, self.sketch_rank_of(t), t.tp_partial)
+                for t in self.targets
+            ],
+            device=device,
+        )
+        self.direction: DirectionRule = make_direction_rule(
+            logra.direction, self.sketches, beta2=logra.beta2, eps=logra.eps
+        )
+        for target in self.targets:
+            target.module.logra_sketch = LayerSketch(
+                layer_key=target.layer_key,
+                projection=self._projection(target),
+                sketch=self.sketches.view(target.layer_key),
+            )
+
+    # ------------------------------------------------------------------ projections
+
+    def sketch_rank_of(self, target: SketchTarget) -> int:
+        if self.logra.distribution == "identity":
+            return target.in_features
+        return self.logra.sketch_rank
+
+    def _projection(self, target: SketchTarget) -> torch.Tensor:
+        count = self.update_count if self.logra.refresh else 0
+        key = projection_key(self.logra.seed, count, target.layer_key)
+        return generate_projection(
+            key,
+            self.sketch_rank_of(target),
+            target.col_start,
+            target.col_end,
+            self.logra.distribution,
+            dtype=torch.float32,
+            device=target.weight.device,
+        )
+
+    def refresh_projections(self) -> None:
+        """Regenerate every projection for the current ``update_count``."""
+        for target in self.targets:
+            target.module.logra_sketch.projection = self._projection(target)
+
+    def projection_of(self, target: SketchTarget) -> torch.Tensor:
+        return target.module.logra_sketch.projection
+
+    # ------------------------------------------------------------------ gradients
+
+    def reduce_sketches(self, num_tokens: torch.Tensor | None) -> None:
+        """Sum sketches over DP (row-parallel partials also over TP); scale like Megatron.
+
+        ``num_tokens`` is the global token count after Megatron's finalize_model_grads (per-token
+        loss), or None, in which case Megatron averaged gradients over data parallelism.
+        """
+        self.sketches.all_reduce_(
+            dp_group=self.groups.dp, tp_dp_group=self.groups.tp_dp, tp_size=self.groups.tp_size
+        )
+        if num_tokens is not None:
+            if num_tokens.item() > 0:
+                self.sketches.data.mul_(1.0 / num_tokens.item())
+        elif self.groups.dp_size > 1:
+            self.sketches.data.mul_(1.0 / self.groups.dp_size)
+
+    @torch.no_grad()
+    def sketch_sq_norm(self) -> float:
+        """``sum_l ||S_l A_l||^2`` over all targets of the model (this rank's TP/PP peers too).
+
+        Column-parallel ranks hold distinct rows of ``S A``, row-parallel ranks distinct column
+        blocks (their full sketch times their slice of A), pipeline stages distinct layers: the
+        model-parallel sum counts every entry once. DP replicas are identical and not summed.
+        """
+        local = torch.zeros((), dtype=torch.float64, device=self.sketches.data.device)
+        for target in self.targets:
+            local += reconstructed_sq_norm(
+                self.sketches.view(target.layer_key), self.projection_of(target)
+            )
+        if dist.get_world_size(self.groups.mp) > 1:
+            dist.all_reduce(local, group=self.groups.mp)
+        return float(local.item())
+
+    @torch.no_grad()
+    def clip_sketches_(self, max_norm: float, total_norm: float) -> None:
+        """Megatron's clip rule (``max_norm / (total_norm + 1e-6)`` when below one)."""
+        clip_coeff = max_norm / (total_norm + 1.0e-6)
+        if clip_coeff < 1.0:
+            self.sketches.data.mul_(clip_coeff)
+
+    # ------------------------------------------------------------------ MegatronOptimizer API
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        del set_to_none
+        self.sketches.zero_()
+
+    def get_loss_scale(self) -> torch.Tensor:
+        return torch.ones(1, dtype=torch.float32, device=self.sketches.data.device)
+
+    @torch.no_grad()
+    def prepare_grads(self) -> bool:
+        """Refuse a non-finite sketch: it would poison the row moments for every later step."""
+        if not bool(torch.isfinite(self.sketches.data).all()):
+            bad = [
+                slot.layer_key
+                for slot, view in self.sketches.items()
+                if not bool(torch.isfinite(view).all())
+            ]
+            raise RuntimeError(
+                f"non-finite LoGRA sketch in {bad[:4]}{' ...' if len(bad) > 4 else ''} at update "
+                f"{self.update_count + 1}; no weight was changed"
+            )
+        return False
+
+    def get_main_grads_for_grad_norm(self) -> list[torch.Tensor]:
+        raise RuntimeError(
+            "LoGRA sketches stand for gradients of a different size; use "
+            "LoGRAOptimizer.sketch_sq_norm (LoGRAChainedOptimizer does)"
+        )
+
+    def get_grad_norm(self) -> float:
+        return math.sqrt(self.sketch_sq_norm())
+
+    def clip_grad_norm(self, clip_grad: float) -> float:
+        grad_norm = self.get_grad_norm()
+        self.clip_sketches_(clip_grad, grad_norm)
+        return grad_norm
+
+    def count_zeros(self) -> float:
+        zeros = (self.sketches.data == 0).sum().to(torch.float64)
+        if dist.get_world_size(self.groups.mp) > 1:
+            dist.all_reduce(zeros, group=self.groups.mp)
+        return float(zeros.item())
+
+    @torch.no_grad()
+    def step_with_ready_grads(self) -> bool:
+        group = self.param_groups[0]
+        lr, weight_decay = float(group["lr"]), float(group["weight_decay"])
+        self.direction.apply_(self.sketches, DirectionContext(step=self.update_count + 1))
+        for target in self.targets:
+            apply_low_rank_update_(
+                target.weight.data,
+                self.sketches.view(target.layer_key),
+                self.projection_of(target),
+                lr=lr,
+                weight_decay=weight_decay,
+            )
+        self.update_count += 1
+        if self.logra.refresh:
+            self.refresh_projections()
+        return True
+
+    @torch.no_grad()
+    def step(self) -> tuple[bool, float | None, float | None]:
+        """Stand-alone step (when LoGRA is the only optimizer)."""
+        self.prepare_grads()
+        grad_norm = None
+        if self.config.clip_grad > 0.0:
+            grad_norm = self.clip_grad_norm(self.config.clip_grad)
+        return self.step_with_ready_grads(), grad_norm, None
+
+    def reload_model_params(self, state_dict: Any = None) -> None:
+        """fp32 weights are their own masters: nothing to refresh."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "update_count": self.update_count,
+            "direction": {k: v.clone() for k, v in self.direction.state_tensors().items()},
+            "param_groups": [
+                {k: v for k, v in g.items() if k != "params"} for g in self.param_groups
+            ],
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.update_count = int(state_dict["update_count"])
+        for name, tensor in self.direction.state_tensors().items():
+            tensor.copy_(state_dict["direction"][name])
+        for group, saved in zip(self.param_groups, state_dict["param_groups"], strict=True):
+            group.update(saved)
+        self.refresh_projections()
+
+    def sharded_state_dict(
+        self, model_sharded_state_dict: Any, is_loading: bool = False, metadata: Any = None
+    ) -> Any:
+        raise NotImplementedError(
+            "distributed checkpoints of LoGRA state are not available yet; use state_dict()"
+        )
+
+
+class LoGRAChainedOptimizer(ChainedOptimizer):
+    """Megatron's native optimizer(s) and a :class:`LoGRAOptimizer` under one global norm."""
+
+    def __init__(self, native: MegatronOptimizer, logra: LoGRAOptimizer) -> None:
+        natives = list(native.chained_optimizers) if isinstance(native, ChainedOptimizer) else [
+            native
+        ]
+        super().__init__(natives + [logra])
+        self.native_optimizers = natives
+        self.logra = logra
+        # Megatron's own norm over the native parameters (its grad-stats groups, its filters).
+        self._native_chain = ChainedOptimizer(natives) if natives else None
+
+    @torch.no_grad()
+    def get_grad_norm(self) -> float:
+        native_norm = self._native_chain.get_grad_norm() if self._native_chain else 0.0
+        return math.sqrt(float(native_norm) ** 2 + self.logra.sketch_sq_norm())
+
+    @torch.no_grad()
+    def step(self) -> tuple[bool, float | None, float | None]:
+        """As ``ChainedOptimizer.step``, with the sketches inside the norm and the clip."""
+        found_inf_flag = self.prepare_grads()
+        if found_inf_flag:
+            return False, None, None
+        grad_norm = self.get_grad_norm()
+        if self.config.clip_grad > 0.0:
+            for optimizer in self.native_optimizers:
+                if getattr(optimizer, "is_stub_optimizer", False):
+                    continue
+                parameters = optimizer.get_parameters()
+                if parameters:
+                    clip_grad_by_total_norm_fp32(
+                        parameters,
+                        max_norm=optimizer.config.clip_grad,
+                        total_norm=grad_norm,
+                        use_decoupled_grad=(
+                            optimizer.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+                        ),
+                    )
+            self.logra.clip_sketches_(self.config.clip_grad, grad_norm)
+        num_zeros_in_grad = None
+        if self.config.log_num_zeros_in_grad:
+            num_zeros_in_grad = sum(
+                opt.count_zeros() for opt in self.native_optimizers
+            ) + self.logra.count_zeros()
+        update_successful = self.step_with_ready_grads()
+        return update_successful, grad_norm, num_zeros_in_grad

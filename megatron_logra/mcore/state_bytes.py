@@ -1,0 +1,77 @@
+"""Exact accounting of persistent training state on this rank, by category.
+
+Persistent state is what lives between steps: weights, gradient buffers, optimizer state (moments,
+fp32 master copies), and for LoGRA the sketch buffer and the cached projections. Activations are
+not counted here (they are freed by the end of a step).
+
+Every tensor is counted by its underlying storage, once, in the first category that claims it:
+DDP grad buffers are counted once however many ``main_grad`` views point into them, and a
+distributed-optimizer "master" that is a view of the parameter buffer is not counted twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from megatron.core.optimizer.optimizer import ChainedOptimizer, MegatronOptimizer
+
+from megatron_logra.mcore.logra_optimizer import LoGRAOptimizer
+from megatron_logra.mcore.training_setup import TrainingSetup
+
+CATEGORIES: tuple[str, ...] = ("weights", "grads", "optimizer_state", "sketches", "projections")
+
+
+class _StorageLedger:
+    def __init__(self) -> None:
+        self.totals = dict.fromkeys(CATEGORIES, 0)
+        self._seen: set[tuple[str, int]] = set()
+
+    def add(self, category: str, tensors: Iterable[torch.Tensor | None]) -> None:
+        for tensor in tensors:
+            if tensor is None or not isinstance(tensor, torch.Tensor) or tensor.numel() == 0:
+                continue
+            storage = tensor.untyped_storage()
+            key = (str(tensor.device), storage.data_ptr())
+            if key in self._seen:
+                continue
+            self._seen.add(key)
+            self.totals[category] += storage.nbytes()
+
+
+def _sub_optimizers(optimizer: MegatronOptimizer) -> list[MegatronOptimizer]:
+    if isinstance(optimizer, ChainedOptimizer):
+        return list(optimizer.chained_optimizers)
+    return [optimizer]
+
+
+def persistent_state_bytes(setup: TrainingSetup) -> dict[str, int]:
+    """Bytes per category on this rank (call after the first step: Adam allocates lazily)."""
+    ledger = _StorageLedger()
+    params = [p for chunk in setup.model_chunks for p in chunk.parameters()]
+    ledger.add("weights", params)
+    for chunk in setup.model_chunks:
+        # DistributedDataParallel.buffers is its list of grad buffers (it shadows Module.buffers).
+        for buffer in chunk.buffers + chunk.expert_parallel_buffers:
+            ledger.add("grads", [buffer.grad_data])
+    ledger.add("grads", (getattr(p, "main_grad", None) for p in params))
+    ledger.add("grads", (p.grad for p in params))
+    for optimizer in _sub_optimizers(setup.optimizer):
+        if isinstance(optimizer, LoGRAOptimizer):
+            ledger.add("optimizer_state", optimizer.direction.state_tensors().values())
+            ledger.add("sketches", [optimizer.sketches.data])
+            ledger.add(
+                "projections", (optimizer.projection_of(t) for t in optimizer.targets)
+            )
+            continue
+        inner = getattr(optimizer, "optimizer", None)
+        if inner is None:
+            continue
+        # Parameters the inner torch optimizer steps: the model's own (already counted) or
+        # fp32 master copies (distributed / mixed-precision optimizers).
+        ledger.add(
+            "optimizer_state", (p for group in inner.param_groups for p in group["params"])
+        )
+        for state in inner.state.values():
+            ledger.add("optimizer_state", (v for v in state.values() if torch.is_tensor(v)))
+    return dict(ledger.totals)
