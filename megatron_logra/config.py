@@ -348,6 +348,13 @@ def _coerce(path: str, value: Any, annotation: Any) -> Any:
     if annotation is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):
+            # YAML 1.1 reads "1e-3" (no decimal point) as a string; it is the usual way to
+            # write a learning rate, so accept any string Python parses as a float.
+            try:
+                return float(value)
+            except ValueError:
+                pass
         raise ValueError(f"{path}={value!r} must be a number")
     if annotation is str:
         if isinstance(value, str):

@@ -1,6 +1,7 @@
 """One metrics record per step: a readable console line on rank 0 and the same fields in JSONL.
 
-    step   3/20 | loss 4.1234 | grad_norm 1.23e+00 | lr 1.00e-03 | tok/s 12,345 | 0.123 s | mem 512 MiB
+    step  3/20 | loss 4.1234 | grad_norm 1.230e+00 | lr 1.00e-03 | tok/s 12,345 | 0.123 s
+    | mem 512 MiB   (one line)
 
 Every record is appended to ``<run.dir>/metrics.jsonl`` and flushed, so a crash loses at most the
 step in flight and another process can follow the file while the run goes on.

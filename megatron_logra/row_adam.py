@@ -25,7 +25,7 @@ def update_row_second_moment_(
     """``v <- beta2 v + (1 - beta2) mean_j S_j^2`` in place (fp32)."""
     if not 0.0 <= beta2 < 1.0:
         raise ValueError(f"RowAdam beta2 must be in [0, 1), got {beta2}")
-    row_mean_sq_O = sketch_OR.float().pow(2).mean(dim=1)
+    row_mean_sq_O = sketch_OR.pow(2).mean(dim=1).to(second_moment_O.dtype)
     second_moment_O.mul_(beta2).add_(row_mean_sq_O, alpha=1.0 - beta2)
 
 
@@ -37,7 +37,9 @@ def row_adam_direction(
     beta2: float,
     eps: float,
 ) -> torch.Tensor:
-    """Update ``second_moment_O`` in place and return the direction ``D [m, r]`` (fp32).
+    """Update ``second_moment_O`` in place and return the direction ``D [m, r]``.
+
+    The direction has the sketch's dtype (fp32 in training, fp64 in reference computations).
 
     Args:
         sketch_OR: the step's reduced (and possibly clipped) sketch.
@@ -49,4 +51,4 @@ def row_adam_direction(
     update_row_second_moment_(second_moment_O, sketch_OR, beta2=beta2)
     bias_correction = 1.0 - beta2**step
     denom_O = (second_moment_O / bias_correction).sqrt_().add_(eps)
-    return sketch_OR.float() / denom_O[:, None]
+    return sketch_OR / denom_O.to(sketch_OR.dtype)[:, None]

@@ -21,18 +21,15 @@ def project_activations(input_TI: torch.Tensor, proj_RI: torch.Tensor) -> torch.
 def accumulate_sketch_(
     sketch_OR: torch.Tensor, grad_output_TO: torch.Tensor, projected_TR: torch.Tensor
 ) -> None:
-    """``S += H^T P`` in fp32, whatever the activation dtype.
+    """``S += H^T P`` in the sketch's dtype (fp32, or fp64 for reference computations).
 
     A bf16 product would round every microbatch's contribution to 8 bits of mantissa before it
-    is summed; the sketch is the only gradient signal of the layer, so it is accumulated in fp32.
+    is summed; the sketch is the only gradient signal of the layer, so it is accumulated in at
+    least fp32 whatever the activation dtype.
     """
-    if sketch_OR.dtype != torch.float32:
-        raise RuntimeError(f"sketches are accumulated in float32, got {sketch_OR.dtype}")
-    if grad_output_TO.dtype != torch.float32:
-        grad_output_TO = grad_output_TO.float()
-    if projected_TR.dtype != torch.float32:
-        projected_TR = projected_TR.float()
-    sketch_OR.addmm_(grad_output_TO.t(), projected_TR)
+    if sketch_OR.dtype not in (torch.float32, torch.float64):
+        raise RuntimeError(f"sketches are accumulated in float32 or float64, got {sketch_OR.dtype}")
+    sketch_OR.addmm_(grad_output_TO.to(sketch_OR.dtype).t(), projected_TR.to(sketch_OR.dtype))
 
 
 def reconstructed_sq_norm(sketch_OR: torch.Tensor, proj_RI: torch.Tensor) -> torch.Tensor:

@@ -49,7 +49,13 @@ class SketchSlot:
 class FlatSketchBuffer:
     """A flat fp32 buffer with one ``[rows, sketch_rank]`` view per :class:`SketchSlot`."""
 
-    def __init__(self, slots: Sequence[SketchSlot], *, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        slots: Sequence[SketchSlot],
+        *,
+        device: torch.device | str,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         keys = [slot.layer_key for slot in slots]
         if len(set(keys)) != len(keys):
             raise ValueError(f"duplicate layer keys among sketch slots: {keys}")
@@ -58,7 +64,8 @@ class FlatSketchBuffer:
         self.slots: tuple[SketchSlot, ...] = tuple(complete + partial)
         self.partial_start = sum(slot.numel for slot in complete)
         total = self.partial_start + sum(slot.numel for slot in partial)
-        self.data = torch.zeros(total, dtype=torch.float32, device=device)
+        # fp32 in training; float64 only for reference computations in tests.
+        self.data = torch.zeros(total, dtype=dtype, device=device)
         self._views: dict[str, torch.Tensor] = {}
         offset = 0
         for slot in self.slots:
@@ -95,6 +102,11 @@ class FlatSketchBuffer:
         """
         collectives = 0
         partial = self.data[self.partial_start :]
+        if tp_size > 1 and not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                f"tp_size={tp_size} but torch.distributed is not initialised: row-parallel "
+                "partial sketches cannot be summed"
+            )
         if tp_size > 1 and partial.numel() > 0:
             complete = self.data[: self.partial_start]
             if complete.numel() > 0 and _group_size(dp_group) > 1:

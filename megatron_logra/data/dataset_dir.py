@@ -67,6 +67,8 @@ def write_synthetic_dataset(out_dir: str | Path, spec: SyntheticDataSpec) -> Pat
         np.save(staging / TOKENS_FILE, np.asarray(tokens, dtype=np.int32))
         meta = {"spec": asdict(spec), "vocab_size": tokenizer.vocab_size, "num_tokens": len(tokens)}
         (staging / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        # mkdtemp creates the staging directory private (0700); the dataset is for everyone.
+        staging.chmod(0o755)
         if out.exists():
             shutil.rmtree(out)
         staging.rename(out)

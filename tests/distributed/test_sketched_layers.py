@@ -1,0 +1,90 @@
+"""Sketched Megatron linears on real Megatron-Core layers over gloo (DESIGN section 6, rungs 1-2).
+
+One torchrun job per layout runs ``workers/sketched_layers_worker.py``, which measures and writes
+JSON; each test below asserts one claim on those measurements. Layouts: TP=1; TP=2 (column
+shards own rows, row shards own input columns and produce partial sketches); TP=2 with sequence
+parallelism (the column-parallel input is sequence-sharded and P, not X, is gathered); and
+TP=2 x DP=2 on four processes (the DDP buffer check with data parallelism).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.torchrun import WORKERS, run_torchrun
+
+pytestmark = pytest.mark.distributed
+
+# float64 end to end: the sketch and G A^T differ only in summation order over ~32 tokens and
+# the TP all-reduce of row-parallel partials; observed ~1e-15 relative.
+SKETCH_REL_TOL_FP64 = 1e-12
+# The input-gradient path of a sketched layer is Megatron's own arithmetic (H W); observed 0.
+INPUT_GRAD_REL_TOL_FP64 = 1e-12
+FP32_BYTES = 4
+
+LAYOUTS = {
+    "tp1": (1, 1, False),
+    "tp2": (2, 2, False),
+    "tp2_sp": (2, 2, True),
+    "tp2_dp2_sp": (4, 2, True),
+}
+_cache: dict[str, dict] = {}
+
+
+@pytest.fixture(params=sorted(LAYOUTS))
+def measured(request, tmp_path_factory) -> dict:
+    name = request.param
+    if name not in _cache:
+        nproc, tp, sp = LAYOUTS[name]
+        out = Path(tmp_path_factory.mktemp(f"sketched_{name}")) / "result.json"
+        args = [str(WORKERS / "sketched_layers_worker.py"), "--tp", str(tp), "--out", str(out)]
+        if sp:
+            args.append("--sp")
+        run_torchrun(nproc, args)
+        _cache[name] = json.loads(out.read_text())
+    return _cache[name]
+
+
+def test_sketch_equals_dense_gradient_times_projection_transpose(measured):
+    errors = measured["sketch"]["sketch_rel_err"]
+    assert errors["column"] < SKETCH_REL_TOL_FP64, errors
+    assert errors["row"] < SKETCH_REL_TOL_FP64, errors
+
+
+def test_sketching_leaves_loss_and_input_gradients_unchanged(measured):
+    sketch = measured["sketch"]
+    assert sketch["loss_rel_err"] < INPUT_GRAD_REL_TOL_FP64
+    assert sketch["input_grad_rel_err"] < INPUT_GRAD_REL_TOL_FP64
+
+
+def test_target_weights_get_no_grad_and_no_main_grad(measured):
+    no_dense = measured["sketch"]["no_dense_grad"]
+    assert no_dense["num_targets"] == 8
+    assert not no_dense["any_grad"]
+    assert not no_dense["any_main_grad"]
+
+
+def test_autograd_saves_projected_input_not_input_for_target_layers(measured):
+    layout = measured["layout"]
+    tokens, sketch_rank, tp = layout["tokens"], layout["sketch_rank"], layout["tp"]
+    for dense, sketched in zip(measured["saved"]["dense"], measured["saved"]["sketched"],
+                               strict=True):
+        # Under SP a column-parallel layer receives (and keeps) only its sequence shard.
+        local_tokens = tokens // tp if (layout["sp"] and dense["kind"] == "column") else tokens
+        assert dense["bytes"] == local_tokens * dense["in_local"] * FP32_BYTES, dense
+        assert sketched["bytes"] == local_tokens * sketch_rank * FP32_BYTES, sketched
+        assert all(shape[-1] == sketch_rank for shape in sketched["shapes"]), sketched
+
+
+def test_ddp_grad_buffer_excludes_sketched_weights(measured):
+    for mode, ddp in measured["ddp"].items():
+        assert ddp["num_targets"] == 8, mode
+        assert ddp["targets_in_buffer"] == 0, mode
+        assert ddp["buffer_params_are_trainable_params"], mode
+    # Without the distributed optimizer the buffer has no alignment padding: exactly the
+    # non-target parameters.
+    plain = measured["ddp"]["distopt_False"]
+    assert plain["buffer_numel_unpadded"] == plain["trainable_numel"]

@@ -1,0 +1,225 @@
+"""Measure, on real Megatron-Core layers over gloo, what the sketched linears do.
+
+Run under torchrun with 1, 2 or 4 processes; ``--tp`` and ``--sp`` pick the layout (dp follows).
+Rank 0 writes a JSON of measurements to ``--out``; the pytest side asserts the claims:
+
+* ``sketch``: per target kind, max |S - G A^T| / max |G A^T| in float64, where S is the sketch the
+  layer accumulated (row-parallel partials summed over TP) and G the dense gradient of an
+  identical dense model (its weight shard's .grad), over two microbatches;
+* ``input_grad``: max relative difference of the embedding gradient (sketching must not change
+  any input gradient) and of the loss;
+* ``no_dense_grad``: whether any target weight got a .grad or a main_grad;
+* ``saved``: bytes autograd saved inside each target layer's forward (parameters excluded), for the
+  sketched and the dense model, with the shapes involved;
+* ``ddp``: DDP grad-buffer sizes with the targets frozen, with and without the distributed
+  optimizer, and the number of target parameters inside any buffer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+
+from megatron_logra.config import load_config  # noqa: E402
+from megatron_logra.mcore.layers import LayerSketch  # noqa: E402
+from megatron_logra.mcore.model import build_model  # noqa: E402
+from megatron_logra.mcore.parallel import init_parallel  # noqa: E402
+from megatron_logra.mcore.targets import find_targets  # noqa: E402
+from megatron_logra.projection import generate_projection, projection_key  # noqa: E402
+from megatron_logra.sketch_buffer import FlatSketchBuffer, SketchSlot  # noqa: E402
+
+VOCAB = 100
+SKETCH_RANK = 8
+SEQ, MICRO_BATCH = 16, 2
+
+
+def build_cfg(tp: int, sp: bool, world: int):
+    overrides = [
+        "parallel.device=cpu", f"parallel.tp={tp}", f"parallel.sp={str(sp).lower()}",
+        "model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=4",
+        "model.ffn_hidden_size=64", f"model.seq_length={SEQ}", "model.activation=swiglu",
+        "model.add_bias_linear=true", "optimizer.name=logra",
+        f"train.micro_batch_size={MICRO_BATCH}", f"train.global_batch_size={MICRO_BATCH * world // tp}",
+    ]
+    return load_config(None, overrides).resolved(world)
+
+
+def batches(groups, count: int):
+    """The same two microbatches on every rank (every rank is its own DP replica here)."""
+    generator = torch.Generator().manual_seed(7)
+    out = []
+    for _ in range(count):
+        tokens = torch.randint(0, VOCAB, (MICRO_BATCH, SEQ + 1), generator=generator)
+        out.append((tokens[:, :-1], tokens[:, 1:]))
+    return out
+
+
+def attach_sketches(model, groups, dtype):
+    targets = find_targets([model], ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
+                           tp_rank=groups.tp_rank)
+    buffer = FlatSketchBuffer(
+        [SketchSlot(t.layer_key, t.rows, SKETCH_RANK, t.tp_partial) for t in targets],
+        device="cpu", dtype=dtype,
+    )
+    projections = {}
+    for t in targets:
+        t.weight.requires_grad_(False)
+        # The full A, sliced here for the reference; the layer gets its own column range.
+        full = generate_projection(projection_key(42, 0, t.layer_key), SKETCH_RANK, 0,
+                                   t.in_features, "rademacher")
+        projections[t.layer_key] = full
+        t.module.logra_sketch = LayerSketch(
+            t.layer_key, full[:, t.col_start:t.col_end], buffer.view(t.layer_key)
+        )
+    return targets, buffer, projections
+
+
+def run_loss(model, data):
+    total = 0.0
+    for tokens, labels in data:
+        positions = torch.arange(SEQ).expand(MICRO_BATCH, -1)
+        loss = model(tokens, positions, None, labels=labels).sum()
+        loss.backward()
+        total += float(loss.detach())
+    return total
+
+
+def measure_sketch(cfg, groups):
+    dense = build_model(cfg, groups, VOCAB).double()
+    sketched = build_model(cfg, groups, VOCAB).double()
+    targets, buffer, projections = attach_sketches(sketched, groups, torch.float64)
+    data = batches(groups, 2)
+    loss_dense = run_loss(dense, data)
+    loss_sketch = run_loss(sketched, data)
+    dense_targets = {t.layer_key: t for t in find_targets(
+        [dense], ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"], tp_rank=groups.tp_rank)}
+    errors: dict[str, float] = {"column": 0.0, "row": 0.0}
+    for t in targets:
+        grad = dense_targets[t.layer_key].weight.grad
+        expected = grad @ projections[t.layer_key][:, t.col_start:t.col_end].double().t()
+        got = buffer.view(t.layer_key).clone()
+        if t.tp_partial and groups.tp_size > 1:
+            dist.all_reduce(expected, group=groups.tp)
+            dist.all_reduce(got, group=groups.tp)
+        err = float((got - expected).abs().max() / expected.abs().max())
+        errors[t.parallel_kind] = max(errors[t.parallel_kind], err)
+    emb_dense = dense.embedding.word_embeddings.weight.grad
+    emb_sketch = sketched.embedding.word_embeddings.weight.grad
+    no_dense = {
+        "any_grad": any(t.weight.grad is not None for t in targets),
+        "any_main_grad": any(hasattr(t.weight, "main_grad") for t in targets),
+        "num_targets": len(targets),
+    }
+    return {
+        "sketch_rel_err": errors,
+        "input_grad_rel_err": float((emb_sketch - emb_dense).abs().max() / emb_dense.abs().max()),
+        "loss_rel_err": abs(loss_sketch - loss_dense) / abs(loss_dense),
+        "no_dense_grad": no_dense,
+    }
+
+
+def measure_saved(cfg, groups):
+    results: dict[str, list] = {}
+    for variant in ("dense", "sketched"):
+        model = build_model(cfg, groups, VOCAB)
+        targets = find_targets([model], ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
+                               tp_rank=groups.tp_rank)
+        if variant == "sketched":
+            attach_sketches(model, groups, torch.float32)
+        param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        records = []
+        for t in targets:
+            saved: list[torch.Tensor] = []
+
+            def pack(tensor, saved=saved):
+                if tensor.untyped_storage().data_ptr() not in param_ptrs:
+                    saved.append(tensor)
+                return tensor
+
+            def pre_hook(module, args, pack=pack):
+                module._saved_ctx = torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x)
+                module._saved_ctx.__enter__()
+
+            def post_hook(module, args, output):
+                module._saved_ctx.__exit__(None, None, None)
+
+            t.module.register_forward_pre_hook(pre_hook)
+            t.module.register_forward_hook(post_hook)
+            records.append((t, saved))
+        tokens, labels = batches(groups, 1)[0]
+        positions = torch.arange(SEQ).expand(MICRO_BATCH, -1)
+        model(tokens, positions, None, labels=labels).sum().backward()
+        results[variant] = [
+            {
+                "layer_key": t.layer_key,
+                "kind": t.parallel_kind,
+                "bytes": sum(x.numel() * x.element_size() for x in saved),
+                "shapes": [list(x.shape) for x in saved],
+                "in_local": t.col_end - t.col_start,
+            }
+            for t, saved in records
+        ]
+    return results
+
+
+def measure_ddp(cfg, groups):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    out = {}
+    for distopt in (False, True):
+        model = build_model(cfg, groups, VOCAB)
+        targets = find_targets([model], ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
+                               tp_rank=groups.tp_rank)
+        for t in targets:
+            t.weight.requires_grad_(False)
+        ddp = DistributedDataParallel(
+            model.config,
+            DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                          use_distributed_optimizer=distopt),
+            module=model,
+        )
+        target_ids = {id(t.weight) for t in targets}
+        buffer_ids = {id(p) for buffer in ddp.buffers for p in buffer.param_index_map}
+        trainable_ids = {id(p) for p in model.parameters() if p.requires_grad}
+        out[f"distopt_{distopt}"] = {
+            "buffer_params_are_trainable_params": buffer_ids == trainable_ids,
+            "targets_in_buffer": len(buffer_ids & target_ids),
+            "num_targets": len(target_ids),
+            "buffer_numel_unpadded": sum(b.numel_unpadded for b in ddp.buffers),
+            "trainable_numel": sum(p.numel() for p in model.parameters() if p.requires_grad),
+            "target_numel": sum(t.weight.numel() for t in targets),
+        }
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tp", type=int, required=True)
+    parser.add_argument("--sp", action="store_true")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    world = int(os.environ["WORLD_SIZE"])
+    cfg = build_cfg(args.tp, args.sp, world)
+    groups = init_parallel(cfg)
+    result = {
+        "layout": {"tp": groups.tp_size, "dp": groups.dp_size, "sp": args.sp,
+                   "tokens": SEQ * MICRO_BATCH, "sketch_rank": SKETCH_RANK},
+        "sketch": measure_sketch(cfg, groups),
+        "saved": measure_saved(cfg, groups),
+        "ddp": measure_ddp(cfg, groups),
+    }
+    if groups.world_rank == 0:
+        Path(args.out).write_text(json.dumps(result, indent=2))
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
