@@ -79,6 +79,20 @@ def test_autograd_saves_projected_input_not_input_for_target_layers(measured):
         assert all(shape[-1] == sketch_rank for shape in sketched["shapes"]), sketched
 
 
+def test_sketch_reduction_is_one_collective_per_buffer_segment(measured):
+    """Complete sketches are summed over DP, row-parallel partials over TP x DP: at most one
+    collective per segment of the flat buffer, none per layer, each covering the buffer once."""
+    layout, reduction = measured["layout"], measured["sketch"]["reduction"]
+    expected = (1 if layout["dp"] > 1 else 0) + (1 if layout["tp"] > 1 else 0)
+    assert reduction["num_collectives"] == expected, reduction
+    assert reduction["all_on_flat_buffer"], reduction
+    if layout["dp"] > 1:
+        assert reduction["elements_reduced"] == reduction["buffer_elements"], reduction
+    elif layout["tp"] > 1:
+        # DP=1: only the row-parallel partials need summing (over TP).
+        assert reduction["elements_reduced"] == reduction["partial_elements"], reduction
+
+
 def test_ddp_grad_buffer_excludes_sketched_weights(measured):
     for mode, ddp in measured["ddp"].items():
         assert ddp["num_targets"] == 8, mode

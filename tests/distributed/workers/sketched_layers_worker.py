@@ -111,6 +111,29 @@ def measure_sketch(cfg, groups):
             dist.all_reduce(got, group=groups.tp)
         err = float((got - expected).abs().max() / expected.abs().max())
         errors[t.parallel_kind] = max(errors[t.parallel_kind], err)
+    # Count the collectives the step's sketch reduction issues, and check each one operates on
+    # a slice of the flat buffer (not on per-layer tensors).
+    issued: list[tuple[int, int]] = []
+    real_all_reduce = dist.all_reduce
+
+    def counting_all_reduce(tensor, *args, **kwargs):
+        issued.append((tensor.data_ptr(), tensor.numel()))
+        return real_all_reduce(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting_all_reduce
+    try:
+        buffer.all_reduce_(dp_group=groups.dp, tp_dp_group=groups.tp_dp, tp_size=groups.tp_size)
+    finally:
+        dist.all_reduce = real_all_reduce
+    start = buffer.data.data_ptr()
+    end = start + buffer.data.numel() * buffer.data.element_size()
+    reduction = {
+        "num_collectives": len(issued),
+        "all_on_flat_buffer": all(start <= ptr < end for ptr, _ in issued),
+        "elements_reduced": sum(numel for _, numel in issued),
+        "buffer_elements": buffer.data.numel(),
+        "partial_elements": buffer.data.numel() - buffer.partial_start,
+    }
     emb_dense = dense.embedding.word_embeddings.weight.grad
     emb_sketch = sketched.embedding.word_embeddings.weight.grad
     no_dense = {
@@ -123,6 +146,7 @@ def measure_sketch(cfg, groups):
         "input_grad_rel_err": float((emb_sketch - emb_dense).abs().max() / emb_dense.abs().max()),
         "loss_rel_err": abs(loss_sketch - loss_dense) / abs(loss_dense),
         "no_dense_grad": no_dense,
+        "reduction": reduction,
     }
 
 
