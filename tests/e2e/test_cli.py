@@ -1,0 +1,38 @@
+"""The CLI refuses bad configurations before any process group work, with a clear message."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.torchrun import REPO, torchrun_env
+
+CONFIG = str(REPO / "configs" / "demo_cpu.yaml")
+# Validation happens before torch.distributed and Megatron are touched; a refusal must not pay
+# for a process-group start (~3 s). Generous for a loaded CI machine.
+REFUSAL_WALL_S = 30
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["parallel.tpp=2"], "unknown config key parallel.tpp"),
+        (["optimizer.name=adamw"], "optimizer.name='adamw' is not valid"),
+        (["logra.sketch_rank=0"], "logra.sketch_rank=0 must be > 0"),
+        (["parallel.tp=3"], "model.num_attention_heads=4 must be divisible by parallel.tp=3"),
+        # The demo config asks for tp=2; a plain one-process launch cannot hold it.
+        ([], "world size 1 is not divisible by parallel.tp * parallel.pp = 2"),
+        (["parallel.tp=1", "train.global_batch_size=6"],
+         "train.global_batch_size=6 must be a multiple of train.micro_batch_size * dp = 8 * 1"),
+    ],
+)
+def test_cli_refuses_bad_config_with_exit_code_2_and_names_the_field(overrides, message):
+    result = subprocess.run(
+        [sys.executable, "-m", "megatron_logra", "train", CONFIG, *overrides],
+        env=torchrun_env(), capture_output=True, text=True, timeout=REFUSAL_WALL_S, cwd=REPO,
+    )
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr, result.stderr
+    assert "process group" not in result.stderr.lower()
