@@ -105,6 +105,8 @@ class ParallelConfig:
 
     tp: int = 1
     pp: int = 1
+    vpp: int | None = None
+    """Virtual pipeline stages per rank (interleaved 1F1B); None for the plain 1F1B schedule."""
     sp: bool = False
     """Sequence parallelism (needs tp > 1)."""
     dp: int | None = None
@@ -117,11 +119,13 @@ class ParallelConfig:
         _check_positive("parallel", "tp", self.tp)
         _check_positive("parallel", "pp", self.pp)
         _check_choice("parallel", "device", self.device, DEVICES)
-        if self.pp != 1:
-            raise ValueError(
-                f"parallel.pp={self.pp}: pipeline parallelism is not supported yet; use "
-                "parallel.pp=1"
-            )
+        if self.vpp is not None:
+            _check_positive("parallel", "vpp", self.vpp)
+            if self.pp == 1:
+                raise ValueError(
+                    f"parallel.vpp={self.vpp} needs parallel.pp > 1 (virtual stages interleave "
+                    "pipeline stages); drop parallel.vpp or raise parallel.pp"
+                )
         if self.sp and self.tp == 1:
             raise ValueError(
                 "parallel.sp=true needs parallel.tp > 1 (sequence parallelism splits the "
@@ -276,6 +280,12 @@ class Config:
                 raise ValueError(
                     f"{name}={value} must be divisible by parallel.tp={p.tp}; change one of them"
                 )
+        stages = p.pp * (p.vpp or 1)
+        if m.num_layers % stages:
+            raise ValueError(
+                f"model.num_layers={m.num_layers} must be divisible by parallel.pp * "
+                f"parallel.vpp = {stages} (every pipeline stage holds the same number of layers)"
+            )
         if p.sp and m.seq_length % p.tp:
             raise ValueError(
                 f"model.seq_length={m.seq_length} must be divisible by parallel.tp={p.tp} "
@@ -303,8 +313,14 @@ class Config:
                 f"train.global_batch_size={t.global_batch_size} must be a multiple of "
                 f"train.micro_batch_size * dp = {t.micro_batch_size} * {dp}"
             )
-        resolved = dataclasses.replace(self, parallel=dataclasses.replace(p, dp=dp))
-        return resolved
+        microbatches = t.global_batch_size // (t.micro_batch_size * dp)
+        if p.vpp is not None and microbatches % p.pp:
+            raise ValueError(
+                f"the interleaved schedule needs the number of microbatches per step "
+                f"({microbatches} = train.global_batch_size / (train.micro_batch_size * dp)) to "
+                f"be a multiple of parallel.pp={p.pp}; change the batch sizes"
+            )
+        return dataclasses.replace(self, parallel=dataclasses.replace(p, dp=dp))
 
     @property
     def num_microbatches(self) -> int:

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
+from megatron_logra.mcore.seq_collectives import all_gather_first_dim, reduce_scatter_first_dim
 from megatron_logra.sketch import accumulate_sketch_, project_activations
 
 
@@ -51,22 +52,6 @@ class LayerSketch:
     sketch: torch.Tensor
 
 
-def _all_gather_first_dim(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    world = dist.get_world_size(group)
-    out = torch.empty(
-        (tensor.shape[0] * world, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device
-    )
-    dist.all_gather_into_tensor(out, tensor.contiguous(), group=group)
-    return out
-
-
-def _reduce_scatter_first_dim(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    world = dist.get_world_size(group)
-    out = torch.empty(
-        (tensor.shape[0] // world, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device
-    )
-    dist.reduce_scatter_tensor(out, tensor.contiguous(), group=group)
-    return out
 
 
 class _SketchedLinear(torch.autograd.Function):
@@ -86,7 +71,7 @@ class _SketchedLinear(torch.autograd.Function):
         projected_local = project_activations(
             input_, layer_sketch.projection.to(dtype=input_.dtype)
         )
-        total_input = _all_gather_first_dim(input_, tp_group) if sequence_parallel else input_
+        total_input = all_gather_first_dim(input_, tp_group) if sequence_parallel else input_
         output = torch.matmul(total_input, weight.t())
         if bias is not None:
             output = output + bias
@@ -103,8 +88,8 @@ class _SketchedLinear(torch.autograd.Function):
         projected_local, weight = ctx.saved_tensors
         grad_input = grad_output.matmul(weight)
         if ctx.sequence_parallel:
-            grad_input = _reduce_scatter_first_dim(grad_input, ctx.tp_group)
-            projected = _all_gather_first_dim(projected_local, ctx.tp_group)
+            grad_input = reduce_scatter_first_dim(grad_input, ctx.tp_group)
+            projected = all_gather_first_dim(projected_local, ctx.tp_group)
         else:
             if ctx.allreduce_dgrad:
                 dist.all_reduce(grad_input, group=ctx.tp_group)

@@ -62,6 +62,8 @@ def transformer_config(cfg: Config, device: torch.device) -> TransformerConfig:
         params_dtype=torch.float32,
         tensor_model_parallel_size=cfg.parallel.tp,
         pipeline_model_parallel_size=cfg.parallel.pp,
+        virtual_pipeline_model_parallel_size=cfg.parallel.vpp,
+        pipeline_dtype=torch.float32,
         sequence_parallel=cfg.parallel.sp,
         # Sum of per-token losses, normalised once by the global token count in
         # finalize_model_grads: exact under any microbatch / data-parallel split.
@@ -80,8 +82,14 @@ def transformer_config(cfg: Config, device: torch.device) -> TransformerConfig:
     )
 
 
-def gpt_layer_spec(m: ModelConfig, sequence_parallel: bool) -> ModuleSpec | TransformerBlockSubmodules:
-    """Megatron's local GPT layer spec with sketch-capable linears and SP-capable norms."""
+def gpt_layer_spec(
+    m: ModelConfig, sequence_parallel: bool, layers_per_chunk: int
+) -> ModuleSpec | TransformerBlockSubmodules:
+    """Megatron's local GPT layer spec with sketch-capable linears and SP-capable norms.
+
+    ``layers_per_chunk`` is the number of decoder layers one model chunk builds (a block spec
+    lists exactly the layers of its pipeline stage; Megatron numbers them globally).
+    """
     spec = copy.deepcopy(get_gpt_layer_local_spec(normalization=m.normalization))
     layer = spec.submodules
     layer.self_attention.submodules.linear_qkv = SketchedColumnParallelLinear
@@ -94,29 +102,46 @@ def gpt_layer_spec(m: ModelConfig, sequence_parallel: bool) -> ModuleSpec | Tran
         return spec
     # The final norm is chosen by the block spec; pass it explicitly so it is SP-capable too.
     return TransformerBlockSubmodules(
-        layer_specs=[spec] * m.num_layers, layer_norm=SequenceParallelTorchNorm
+        layer_specs=[spec] * layers_per_chunk, layer_norm=SequenceParallelTorchNorm
     )
+
+
+def build_model_chunks(cfg: Config, groups: ParallelGroups, vocab_size: int) -> list[GPTModel]:
+    """This rank's model chunks: one per virtual pipeline stage (one without interleaving).
+
+    All chunks share one TransformerConfig object, as Megatron's schedules expect (they read
+    the finalize/sync hooks from the first chunk's config).
+    """
+    m = cfg.model
+    config = transformer_config(cfg, groups.device)
+    chunks = []
+    for chunk in range(groups.vpp_size):
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=gpt_layer_spec(
+                m, cfg.parallel.sp, m.num_layers // (groups.pp_size * groups.vpp_size)
+            ),
+            vocab_size=padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by),
+            max_sequence_length=m.seq_length,
+            pre_process=groups.is_first_stage(chunk),
+            post_process=groups.is_last_stage(chunk),
+            parallel_output=True,
+            share_embeddings_and_output_weights=not m.untie_embeddings,
+            position_embedding_type=m.position_embedding,
+            rotary_base=m.rotary_base,
+            vp_stage=chunk if groups.vpp_size > 1 else None,
+        )
+        model.to(groups.device)
+        initialize_layout_invariant_(model, m, seed=cfg.train.seed, groups=groups)
+        chunks.append(model)
+    return chunks
 
 
 def build_model(cfg: Config, groups: ParallelGroups, vocab_size: int) -> GPTModel:
-    """One model chunk for this rank (pipeline stages arrive with the PP work)."""
-    m = cfg.model
-    config = transformer_config(cfg, groups.device)
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=gpt_layer_spec(m, cfg.parallel.sp),
-        vocab_size=padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by),
-        max_sequence_length=m.seq_length,
-        pre_process=groups.is_first_stage,
-        post_process=groups.is_last_stage,
-        parallel_output=True,
-        share_embeddings_and_output_weights=not m.untie_embeddings,
-        position_embedding_type=m.position_embedding,
-        rotary_base=m.rotary_base,
-    )
-    model.to(groups.device)
-    initialize_layout_invariant_(model, m, seed=cfg.train.seed, groups=groups)
-    return model
+    """The single model chunk of a run without virtual pipeline stages."""
+    if groups.vpp_size != 1:
+        raise ValueError("build_model builds one chunk; use build_model_chunks with parallel.vpp")
+    return build_model_chunks(cfg, groups, vocab_size)[0]
 
 
 def _init_rule(name: str, m: ModelConfig) -> tuple[str, float]:
@@ -147,6 +172,10 @@ def initialize_layout_invariant_(
 ) -> None:
     """Overwrite every parameter with its shard of a full tensor seeded by its global name."""
     for name, param in global_named_parameters(model):
+        if name == "output_layer.weight" and not m.untie_embeddings:
+            # With tied embeddings and several pipeline stages, the last stage holds its own
+            # copy of the word embeddings as output_layer.weight; it must start equal to them.
+            name = "embedding.word_embeddings.weight"
         kind, std = _init_rule(name, m)
         if kind == "zeros":
             param.zero_()

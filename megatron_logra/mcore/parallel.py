@@ -44,17 +44,20 @@ class ParallelGroups:
     dp_size: int
     pp_rank: int
     pp_size: int
+    vpp_size: int
+    """Model chunks (virtual pipeline stages) per rank; 1 without interleaving."""
     world_rank: int
     world_size: int
     device: torch.device
 
-    @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
+    def is_first_stage(self, chunk: int = 0) -> bool:
+        """Whether model chunk ``chunk`` of this rank holds the first layers (the embedding)."""
+        return self.pp_rank == 0 and chunk == 0
 
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp_size - 1
+    def is_last_stage(self, chunk: int | None = None) -> bool:
+        """Whether chunk ``chunk`` (default: this rank's last) holds the output layer."""
+        chunk = self.vpp_size - 1 if chunk is None else chunk
+        return self.pp_rank == self.pp_size - 1 and chunk == self.vpp_size - 1
 
 
 def resolve_device(requested: str) -> torch.device:
@@ -111,7 +114,9 @@ def init_parallel(cfg: Config) -> ParallelGroups:
             f"config layout tp={p.tp} pp={p.pp} dp={p.dp} does not match world size {world_size}"
         )
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp
+        tensor_model_parallel_size=p.tp,
+        pipeline_model_parallel_size=p.pp,
+        virtual_pipeline_model_parallel_size=p.vpp,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.train.seed)
     groups = ParallelGroups(
@@ -126,6 +131,7 @@ def init_parallel(cfg: Config) -> ParallelGroups:
         dp_size=parallel_state.get_data_parallel_world_size(with_context_parallel=True),
         pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
         pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        vpp_size=p.vpp or 1,
         world_rank=dist.get_rank(),
         world_size=world_size,
         device=device,

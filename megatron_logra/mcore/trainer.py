@@ -25,7 +25,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron_logra.config import Config
 from megatron_logra.data.dataset_dir import load_tokenizer, load_tokens
 from megatron_logra.data.lm_batches import LMBatchSchedule, Microbatch
-from megatron_logra.mcore.model import build_model
+from megatron_logra.mcore.model import build_model_chunks
 from megatron_logra.mcore.parallel import ParallelGroups, destroy_parallel, init_parallel
 from megatron_logra.mcore.state_bytes import persistent_state_bytes
 from megatron_logra.mcore.training_setup import TrainingSetup, setup_training
@@ -102,8 +102,8 @@ def _train(cfg: Config, groups: ParallelGroups) -> dict[str, Any]:
         global_batch_size=cfg.train.global_batch_size,
         seed=cfg.train.seed,
     )
-    model = build_model(cfg, groups, vocab_size=tokenizer.vocab_size)
-    setup = setup_training(cfg, model, groups)
+    chunks = build_model_chunks(cfg, groups, vocab_size=tokenizer.vocab_size)
+    setup = setup_training(cfg, chunks, groups)
     forward_backward = get_forward_backward_func()
     tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_length
     record: dict[str, Any] = {}
@@ -124,9 +124,11 @@ def _train(cfg: Config, groups: ParallelGroups) -> dict[str, Any]:
                 micro_batch_size=cfg.train.micro_batch_size, device=groups.device,
             )
             lr = float(setup.optimizer.param_groups[0]["lr"])
+            # Every chunk (virtual stage) walks the same microbatches in the schedule's order.
+            iterators = [iter(microbatches) for _ in setup.model_chunks]
             losses = forward_backward(
                 forward_step_func=_forward_step,
-                data_iterator=iter(microbatches),
+                data_iterator=iterators if len(iterators) > 1 else iterators[0],
                 model=setup.model_chunks,
                 num_microbatches=len(microbatches),
                 seq_length=cfg.model.seq_length,

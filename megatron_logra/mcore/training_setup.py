@@ -69,33 +69,42 @@ def finalize_grads_with_sketches(
 
 
 def setup_training(
-    cfg: Config, model: torch.nn.Module, groups: ParallelGroups
+    cfg: Config, model_chunks: list[torch.nn.Module], groups: ParallelGroups
 ) -> TrainingSetup:
     """DDP + optimizer (+ LoGRA chain) + scheduler for ``cfg.optimizer.name``."""
     o = cfg.optimizer
     targets = []
     if o.name == "logra":
-        targets = find_targets([model], cfg.logra.targets, tp_rank=groups.tp_rank)
+        targets = find_targets(model_chunks, cfg.logra.targets, tp_rank=groups.tp_rank)
         for target in targets:
             target.weight.requires_grad_(False)
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
-        use_distributed_optimizer=o.use_distributed_optimizer,
-    )
-    ddp_model = DistributedDataParallel(model.config, ddp_config, module=model)
+    config = model_chunks[0].config
+    ddp_chunks = [
+        DistributedDataParallel(
+            config,
+            DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True,
+                overlap_grad_reduce=False,
+                use_distributed_optimizer=o.use_distributed_optimizer,
+            ),
+            module=chunk,
+            # As Megatron does: only the first chunk's grads are bucketed for overlap.
+            disable_bucketing=index > 0,
+        )
+        for index, chunk in enumerate(model_chunks)
+    ]
     opt_config = megatron_optimizer_config(cfg)
-    native = get_megatron_optimizer(opt_config, [ddp_model])
+    native = get_megatron_optimizer(opt_config, ddp_chunks)
     logra = None
     optimizer: MegatronOptimizer = native
     if o.name == "logra":
         logra = LoGRAOptimizer(targets, logra=cfg.logra, config=opt_config, groups=groups)
         optimizer = LoGRAChainedOptimizer(native, logra)
-        model.config.finalize_model_grads_func = functools.partial(
+        config.finalize_model_grads_func = functools.partial(
             finalize_grads_with_sketches, logra=logra
         )
     else:
-        model.config.finalize_model_grads_func = finalize_model_grads
+        config.finalize_model_grads_func = finalize_model_grads
     steps = cfg.train.steps
     scheduler = OptimizerParamScheduler(
         optimizer,
@@ -111,5 +120,5 @@ def setup_training(
         wd_incr_style="constant",
     )
     return TrainingSetup(
-        model_chunks=[ddp_model], optimizer=optimizer, scheduler=scheduler, logra=logra
+        model_chunks=ddp_chunks, optimizer=optimizer, scheduler=scheduler, logra=logra
     )

@@ -7,24 +7,36 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from megatron_logra.mcore.parallel import ParallelGroups
-from megatron_logra.mcore.sharding import gather_full, global_named_parameters
+from megatron_logra.mcore.sharding import gather_full, global_named_parameters, unwrap_model
 
 
 def gather_full_weights(
     model_chunks: Sequence[torch.nn.Module], groups: ParallelGroups
 ) -> dict[str, torch.Tensor]:
-    """``{global name: full fp32 tensor on CPU}`` on every rank of this rank's TP group.
+    """``{global name: full fp32 tensor on CPU}`` of the whole model, on every rank.
 
-    Collective over the TP group: every rank must call it.
+    Collective over the TP and pipeline groups: every rank must call it. With tied embeddings
+    the last pipeline stage's copy of the word embeddings (``output_layer.weight``) is left
+    out, so the result has the same names for every pipeline layout.
     """
-    if groups.pp_size != 1:
-        raise NotImplementedError("gathering full weights across pipeline stages needs PP support")
-    weights: dict[str, torch.Tensor] = {}
+    stage: dict[str, torch.Tensor] = {}
     for chunk in model_chunks:
+        tied = getattr(unwrap_model(chunk), "share_embeddings_and_output_weights", False)
         for name, param in global_named_parameters(chunk):
-            weights[name] = gather_full(param, groups.tp, groups.tp_size).float().cpu()
+            full = gather_full(param, groups.tp, groups.tp_size).float().cpu()
+            if name == "output_layer.weight" and tied:
+                continue
+            stage[name] = full
+    if groups.pp_size == 1:
+        return stage
+    stages: list[dict[str, torch.Tensor] | None] = [None] * groups.pp_size
+    dist.all_gather_object(stages, stage, group=groups.pp)
+    weights: dict[str, torch.Tensor] = {}
+    for entry in stages:
+        weights.update(entry or {})
     return weights
 
 

@@ -10,7 +10,10 @@ reduction-order noise:
 * DP=2 (half the batch each) == DP=1;
 * 2 microbatches == 1;
 * distributed optimizer on == off (DP=2);
-* TP=2 x DP=2 with SP and the distributed optimizer, on 4 processes.
+* TP=2 x DP=2 with SP and the distributed optimizer, on 4 processes;
+* PP=2 == PP=1 (1F1B), VPP (PP=2 x 2 virtual stages, interleaved) == PP=1, TP=2 x PP=2 with SP
+  == TP=1 x PP=1, PP=2 with the distributed optimizer and DP=2, and PP=2 with tied embeddings
+  (the last stage's copy of the embedding) == PP=1 tied.
 
 Model initialisation is layout independent by construction, so the runs start from the same
 full weights: the first-step loss is compared too.
@@ -31,7 +34,7 @@ pytestmark = pytest.mark.distributed
 CONFIG = REPO / "configs" / "demo_cpu.yaml"
 STEPS = 6
 BASE = [
-    "parallel.device=cpu", "model.num_layers=2", "model.hidden_size=64",
+    "parallel.device=cpu", "parallel.tp=1", "model.num_layers=4", "model.hidden_size=64",
     "model.num_attention_heads=4", "model.ffn_hidden_size=128", "model.seq_length=32",
     "model.activation=swiglu", "model.normalization=RMSNorm", "model.add_bias_linear=false",
     f"train.steps={STEPS}", "train.global_batch_size=8", "optimizer.name=logra",
@@ -49,6 +52,15 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
                         "optimizer.use_distributed_optimizer=true"]),
     "tp2_dp2_sp_distopt": (4, ["parallel.tp=2", "parallel.sp=true", "train.micro_batch_size=4",
                                "optimizer.use_distributed_optimizer=true"]),
+    "pp2": (2, ["parallel.pp=2", "train.micro_batch_size=4"]),
+    "pp2_vpp2": (2, ["parallel.pp=2", "parallel.vpp=2", "train.micro_batch_size=4"]),
+    "tp2_pp2_sp": (4, ["parallel.tp=2", "parallel.pp=2", "parallel.sp=true",
+                       "train.micro_batch_size=4"]),
+    "pp2_dp2_distopt": (4, ["parallel.pp=2", "train.micro_batch_size=2",
+                            "optimizer.use_distributed_optimizer=true"]),
+    "tied": (1, ["model.untie_embeddings=false", "train.micro_batch_size=4"]),
+    "tied_pp2": (2, ["model.untie_embeddings=false", "parallel.pp=2",
+                     "train.micro_batch_size=4"]),
 }
 # fp32 training where layouts differ only in reduction order (TP all-reduces, DP sums,
 # microbatch accumulation). Measured over 6 steps: loss <= 1.3e-7 relative, weights <= 3.5e-6
@@ -79,7 +91,7 @@ def _compare(candidate: Path, reference: Path) -> tuple[float, float]:
     got, want = read_metrics(candidate / "metrics.jsonl"), read_metrics(reference / "metrics.jsonl")
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
     assert len(got) == len(want)
-    loss_err = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(got, want))
+    loss_err = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(got, want, strict=True))
     w_got = torch.load(candidate / "full_weights.pt")
     w_want = torch.load(reference / "full_weights.pt")
     assert sorted(w_got) == sorted(w_want)
@@ -99,6 +111,11 @@ def _compare(candidate: Path, reference: Path) -> tuple[float, float]:
         ("one_microbatch", "reference"),
         ("dp2_distopt", "dp2"),
         ("tp2_dp2_sp_distopt", "reference"),
+        ("pp2", "reference"),
+        ("pp2_vpp2", "reference"),
+        ("tp2_pp2_sp", "reference"),
+        ("pp2_dp2_distopt", "reference"),
+        ("tied_pp2", "tied"),
     ],
 )
 def test_logra_training_is_layout_invariant(candidate, reference, synthetic_data_dir, runs_root):

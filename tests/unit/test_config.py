@@ -191,7 +191,8 @@ def test_num_microbatches_of_unresolved_config_raises_runtime_error():
          ["model.hidden_size=60", "model.num_attention_heads=8"]),
         (["model.num_query_groups=3"], ["model.num_attention_heads=4", "model.num_query_groups=3"]),
         # layout
-        (["parallel.pp=2"], ["parallel.pp=2"]),
+        (["parallel.pp=4"], ["model.num_layers=2", "parallel.pp * parallel.vpp = 4"]),
+        (["parallel.vpp=2"], ["parallel.vpp=2", "parallel.pp > 1"]),
         (["parallel.sp=true"], ["parallel.sp=true", "parallel.tp"]),
         (["parallel.tp=8"], ["model.num_attention_heads=4", "parallel.tp=8"]),
         (["parallel.tp=4", "model.num_query_groups=2"],

@@ -150,6 +150,10 @@ def measure_sketch(cfg, groups):
     }
 
 
+def _unpack(tensor):
+    return tensor
+
+
 def measure_saved(cfg, groups):
     results: dict[str, list] = {}
     for variant in ("dense", "sketched"):
@@ -163,13 +167,13 @@ def measure_saved(cfg, groups):
         for t in targets:
             saved: list[torch.Tensor] = []
 
-            def pack(tensor, saved=saved):
+            def pack(tensor, saved=saved, param_ptrs=param_ptrs):
                 if tensor.untyped_storage().data_ptr() not in param_ptrs:
                     saved.append(tensor)
                 return tensor
 
             def pre_hook(module, args, pack=pack):
-                module._saved_ctx = torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x)
+                module._saved_ctx = torch.autograd.graph.saved_tensors_hooks(pack, _unpack)
                 module._saved_ctx.__enter__()
 
             def post_hook(module, args, output):
