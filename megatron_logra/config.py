@@ -30,7 +30,8 @@ ACTIVATIONS: tuple[str, ...] = ("gelu", "swiglu")
 POSITION_EMBEDDINGS: tuple[str, ...] = ("rope", "learned_absolute")
 LR_DECAY_STYLES: tuple[str, ...] = ("constant", "linear", "cosine")
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
-PARAMS_DTYPES: tuple[str, ...] = ("fp32",)
+PARAMS_DTYPES: tuple[str, ...] = ("fp32", "bf16")
+MASTER_WEIGHTS: tuple[str, ...] = ("auto", "none", "dp_sharded")
 
 
 def _check_choice(section: str, name: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -69,6 +70,8 @@ class ModelConfig:
     """The tokenizer's vocabulary is padded to a multiple of this, independent of TP size, so
     that every parallel layout builds the same model."""
     params_dtype: str = "fp32"
+    """``fp32``, or ``bf16`` (Megatron's mixed precision: bf16 weights and compute, fp32 main
+    gradients and optimizer state)."""
 
     def validate(self) -> None:
         s = "model"
@@ -191,6 +194,10 @@ class LoGRAConfig:
     seed: int = 42
     refresh: bool = True
     """Redraw the projections after every update (with false, A never changes)."""
+    master_weights: str = "auto"
+    """Precision of the sketched weights' updates: ``none`` (fp32 weights are their own masters),
+    ``dp_sharded`` (bf16 weights, fp32 master rows sharded over data parallelism), ``auto``
+    (picked from model.params_dtype)."""
     beta2: float = 0.95
     eps: float = 1e-8
     targets: list[str] = field(default_factory=lambda: list(TARGET_NAMES))
@@ -201,6 +208,7 @@ class LoGRAConfig:
         _check_choice(s, "distribution", self.distribution, DISTRIBUTIONS)
         _check_choice(s, "direction", self.direction, DIRECTIONS)
         _check_choice(s, "native_optimizer", self.native_optimizer, NATIVE_OPTIMIZERS)
+        _check_choice(s, "master_weights", self.master_weights, MASTER_WEIGHTS)
         _check_positive(s, "sketch_rank", self.sketch_rank)
         _check_positive(s, "seed", self.seed, allow_zero=True)
         if not 0.0 <= self.beta2 < 1.0:
@@ -280,6 +288,13 @@ class Config:
                 raise ValueError(
                     f"{name}={value} must be divisible by parallel.tp={p.tp}; change one of them"
                 )
+        master = self.logra.master_weights
+        if (master, m.params_dtype) in (("none", "bf16"), ("dp_sharded", "fp32")):
+            raise ValueError(
+                f"logra.master_weights={master} does not fit model.params_dtype={m.params_dtype}: "
+                "fp32 weights are their own masters (none), bf16 weights need fp32 masters "
+                "(dp_sharded); use logra.master_weights=auto"
+            )
         stages = p.pp * (p.vpp or 1)
         if m.num_layers % stages:
             raise ValueError(

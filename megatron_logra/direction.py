@@ -61,7 +61,8 @@ class RowAdamDirection:
     """Library-mode RowAdam (see :mod:`megatron_logra.row_adam`) over every slot of a buffer.
 
     The row moments of all layers are one flat fp32 tensor (``row_second_moment``) in slot
-    order, so checkpointing and memory accounting see a single state tensor.
+    order, so checkpointing and memory accounting see a single state tensor. It covers the rows
+    this rank owns: all of them, or a 1/dp share when masters are DP-sharded.
     """
 
     name = "row_adam"
@@ -73,21 +74,22 @@ class RowAdamDirection:
             raise ValueError(f"logra.eps must be positive, got {eps}")
         self.beta2 = beta2
         self.eps = eps
-        total_rows = sum(slot.rows for slot in sketches.slots)
+        # One moment per row this rank owns (all rows unless masters are DP-sharded).
+        owned = [(slot, view.shape[0]) for slot, view in sketches.owned_items()]
         self.row_second_moment = torch.zeros(
-            total_rows, dtype=torch.float32, device=sketches.data.device
+            sum(rows for _, rows in owned), dtype=torch.float32, device=sketches.data.device
         )
         self._moments: dict[str, torch.Tensor] = {}
         offset = 0
-        for slot in sketches.slots:
-            self._moments[slot.layer_key] = self.row_second_moment[offset : offset + slot.rows]
-            offset += slot.rows
+        for slot, rows in owned:
+            self._moments[slot.layer_key] = self.row_second_moment[offset : offset + rows]
+            offset += rows
 
     def moment(self, layer_key: str) -> torch.Tensor:
         return self._moments[layer_key]
 
     def apply_(self, sketches: FlatSketchBuffer, context: DirectionContext) -> None:
-        for slot, sketch_OR in sketches.items():
+        for slot, sketch_OR in sketches.owned_items():
             direction_OR = row_adam_direction(
                 sketch_OR,
                 self._moments[slot.layer_key],

@@ -1,7 +1,7 @@
-"""One flat fp32 buffer that holds every sketch of a model (chunk), and its reduction.
+"""One flat fp32 buffer that holds every sketch of a model (chunk set), and its reduction.
 
-All per-layer sketches are views of one contiguous buffer, so zeroing, scaling, clipping and the
-data-parallel reduction are single operations per step instead of one per layer.
+All per-layer sketches live in one contiguous buffer, so zeroing, scaling, clipping and the
+data-parallel reduction are a handful of operations per step instead of one per layer.
 
 Tensor parallelism decides what a rank's sketch of a layer is:
 
@@ -10,10 +10,19 @@ Tensor parallelism decides what a rank's sketch of a layer is:
 * a row-parallel shard owns input columns; it computes ``H^T (X_local A_local^T)``, a partial sum
   over the tensor-parallel group of the full ``[m, r]`` sketch (``tp_partial=True``).
 
-Complete sketches come first in the buffer and partial ones last, so that each kind is one
-contiguous segment: the complete segment is all-reduced over the data-parallel group, the partial
-segment over the tensor-and-data-parallel group (the TP sum and the DP sum in one collective).
-With TP = 1 that is a single collective over the data-parallel group.
+Complete sketches form the first region of the buffer and partial ones the second, so each kind
+is reduced by one collective over its region.
+
+Two layouts:
+
+* **replicated** (``dp_size=1`` in the layout, the fp32-parameter mode): each region is the layers
+  one after another; the complete region is all-reduced over DP, the partial region over TP x DP
+  in one collective. Every DP rank ends with every reduced row.
+* **DP-sharded** (``dp_size>1``, bf16 parameters with sharded fp32 masters): each region is
+  ``[dp][layers' owned pieces]`` so that DP rank ``d``'s rows of *all* layers form one contiguous
+  segment. The partial region is first all-reduced over TP; each region is then reduce-scattered
+  over DP, leaving every rank the reduced rows it owns (see :mod:`megatron_logra.row_sharding`).
+  During backward a layer accumulates into several pieces, one per (DP owner, stride block).
 """
 
 from __future__ import annotations
@@ -23,6 +32,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from megatron_logra.row_sharding import RowShard
+from megatron_logra.sketch import accumulate_sketch_
 
 
 @dataclass(frozen=True)
@@ -34,20 +46,39 @@ class SketchSlot:
         rows: output rows held on this rank (m / tp for column-parallel, m for row-parallel).
         sketch_rank: columns of the sketch (r; the input width n for the identity projection).
         tp_partial: True when the rank's sketch is a partial sum over the tensor-parallel group.
+        stride: interleaved row blocks of the TP shard (2 for a gated fc1), for DP sharding.
     """
 
     layer_key: str
     rows: int
     sketch_rank: int
     tp_partial: bool
+    stride: int = 1
 
     @property
     def numel(self) -> int:
         return self.rows * self.sketch_rank
 
 
+@dataclass(frozen=True)
+class RowPiece:
+    """Local rows ``row_start:row_end`` of a layer's sketch, stored at ``view``."""
+
+    row_start: int
+    row_end: int
+    view: torch.Tensor
+
+
+@dataclass
+class _Region:
+    start: int
+    numel: int
+    segment: int
+    """Elements per DP rank (the whole region when replicated)."""
+
+
 class FlatSketchBuffer:
-    """A flat fp32 buffer with one ``[rows, sketch_rank]`` view per :class:`SketchSlot`."""
+    """A flat buffer with row pieces per :class:`SketchSlot`, replicated or DP-sharded."""
 
     def __init__(
         self,
@@ -55,31 +86,92 @@ class FlatSketchBuffer:
         *,
         device: torch.device | str,
         dtype: torch.dtype = torch.float32,
+        dp_size: int = 1,
+        dp_rank: int = 0,
     ) -> None:
         keys = [slot.layer_key for slot in slots]
         if len(set(keys)) != len(keys):
             raise ValueError(f"duplicate layer keys among sketch slots: {keys}")
+        self.dp_size, self.dp_rank = dp_size, dp_rank
         complete = [slot for slot in slots if not slot.tp_partial]
         partial = [slot for slot in slots if slot.tp_partial]
         self.slots: tuple[SketchSlot, ...] = tuple(complete + partial)
-        self.partial_start = sum(slot.numel for slot in complete)
-        total = self.partial_start + sum(slot.numel for slot in partial)
+        self.shards = {
+            slot.layer_key: RowShard(slot.rows, slot.stride, dp_size, dp_rank)
+            for slot in self.slots
+        }
+        regions: list[_Region] = []
+        start = 0
+        for group in (complete, partial):
+            segment = sum(self.shards[s.layer_key].owned_rows * s.sketch_rank for s in group)
+            regions.append(_Region(start=start, numel=segment * dp_size, segment=segment))
+            start += segment * dp_size
+        self._complete, self._partial = regions
+        self.partial_start = self._partial.start
         # fp32 in training; float64 only for reference computations in tests.
-        self.data = torch.zeros(total, dtype=dtype, device=device)
-        self._views: dict[str, torch.Tensor] = {}
-        offset = 0
-        for slot in self.slots:
-            view = self.data[offset : offset + slot.numel].view(slot.rows, slot.sketch_rank)
-            self._views[slot.layer_key] = view
-            offset += slot.numel
+        self.data = torch.zeros(start, dtype=dtype, device=device)
+        self._pieces: dict[str, tuple[RowPiece, ...]] = {}
+        self._owned: dict[str, torch.Tensor] = {}
+        for group, region in ((complete, self._complete), (partial, self._partial)):
+            offset = 0
+            for slot in group:
+                self._place(slot, region, offset)
+                offset += self.shards[slot.layer_key].owned_rows * slot.sketch_rank
+
+    def _place(self, slot: SketchSlot, region: _Region, offset: int) -> None:
+        shard, r = self.shards[slot.layer_key], slot.sketch_rank
+        if not self.sharded:
+            # Replicated: the layer's rows are one contiguous [rows, r] block.
+            view = self.data[region.start + offset :][: slot.rows * r].view(slot.rows, r)
+            self._pieces[slot.layer_key] = (RowPiece(0, slot.rows, view),)
+            self._owned[slot.layer_key] = view
+            return
+        pieces: list[RowPiece] = []
+        for d in range(self.dp_size):
+            base = region.start + d * region.segment + offset
+            for block, (lo, hi) in enumerate(shard.ranges(d)):
+                at = base + block * shard.chunk_rows * r
+                pieces.append(RowPiece(lo, hi, self.data[at : at + (hi - lo) * r].view(-1, r)))
+        self._pieces[slot.layer_key] = tuple(sorted(pieces, key=lambda piece: piece.row_start))
+        mine = region.start + self.dp_rank * region.segment + offset
+        self._owned[slot.layer_key] = self.data[mine : mine + shard.owned_rows * r].view(-1, r)
+
+    # ------------------------------------------------------------------ access
+
+    @property
+    def sharded(self) -> bool:
+        return self.dp_size > 1
+
+    def pieces(self, layer_key: str) -> tuple[RowPiece, ...]:
+        """Where backward accumulates: all local rows of the layer, in row order."""
+        return self._pieces[layer_key]
 
     def view(self, layer_key: str) -> torch.Tensor:
-        """The ``[rows, sketch_rank]`` view of one layer's sketch."""
-        return self._views[layer_key]
+        """The full ``[rows, sketch_rank]`` view (replicated layout only)."""
+        pieces = self._pieces[layer_key]
+        if len(pieces) != 1:
+            raise RuntimeError(
+                f"{layer_key}: the sketch is split over data-parallel owners; use owned_view"
+            )
+        return pieces[0].view
 
-    def items(self) -> Iterator[tuple[SketchSlot, torch.Tensor]]:
+    def owned_view(self, layer_key: str) -> torch.Tensor:
+        """The rows this DP rank owns after reduction, ``[owned_rows, sketch_rank]``, in the
+        order of ``shards[layer_key].ranges()`` (all rows when replicated)."""
+        return self._owned[layer_key]
+
+    def owned_items(self) -> Iterator[tuple[SketchSlot, torch.Tensor]]:
         for slot in self.slots:
-            yield slot, self._views[slot.layer_key]
+            yield slot, self._owned[slot.layer_key]
+
+    def owned_segments(self) -> tuple[torch.Tensor, ...]:
+        """The flat parts of the buffer holding this rank's reduced rows (one per region)."""
+        out = []
+        for region in (self._complete, self._partial):
+            if region.numel:
+                start = region.start + (self.dp_rank * region.segment if self.sharded else 0)
+                out.append(self.data[start : start + region.segment])
+        return tuple(out)
 
     @property
     def nbytes(self) -> int:
@@ -88,34 +180,63 @@ class FlatSketchBuffer:
     def zero_(self) -> None:
         self.data.zero_()
 
-    def all_reduce_(
+    def accumulate_(
+        self, layer_key: str, grad_output_TO: torch.Tensor, projected_TR: torch.Tensor
+    ) -> None:
+        """``S += H^T P`` for one layer, into every piece of its rows, in the buffer's dtype."""
+        for piece in self._pieces[layer_key]:
+            accumulate_sketch_(
+                piece.view, grad_output_TO[:, piece.row_start : piece.row_end], projected_TR
+            )
+
+    # ------------------------------------------------------------------ reduction
+
+    def reduce_(
         self,
         *,
         dp_group: dist.ProcessGroup | None,
+        tp_group: dist.ProcessGroup | None,
         tp_dp_group: dist.ProcessGroup | None,
         tp_size: int,
     ) -> int:
-        """Sum the sketches over data parallelism, and the partial ones over TP as well.
+        """Sum the step's sketches over data parallelism (partials over TP as well).
 
-        Returns the number of collectives issued (0, 1 or 2), so callers and tests can see that
-        the reduction is one operation per segment, not one per layer.
+        Replicated layout: every rank ends with every reduced row. Sharded layout: every rank
+        ends with the reduced rows it owns (``owned_segments``). Returns the number of
+        collectives issued, so callers and tests can see it is one per region (plus the TP sum
+        of the partial region when sharded), never one per layer.
         """
-        collectives = 0
-        partial = self.data[self.partial_start :]
-        if tp_size > 1 and not (dist.is_available() and dist.is_initialized()):
+        initialised = dist.is_available() and dist.is_initialized()
+        if (tp_size > 1 or self.sharded) and not initialised:
             raise RuntimeError(
-                f"tp_size={tp_size} but torch.distributed is not initialised: row-parallel "
-                "partial sketches cannot be summed"
+                f"tp_size={tp_size}, dp shards={self.dp_size} but torch.distributed is not "
+                "initialised: sketches cannot be reduced"
             )
-        if tp_size > 1 and partial.numel() > 0:
-            complete = self.data[: self.partial_start]
-            if complete.numel() > 0 and _group_size(dp_group) > 1:
-                dist.all_reduce(complete, group=dp_group)
+        collectives = 0
+        complete = self.data[self._complete.start : self._complete.start + self._complete.numel]
+        partial = self.data[self._partial.start : self._partial.start + self._partial.numel]
+        if not self.sharded:
+            if tp_size > 1 and partial.numel() > 0:
+                if complete.numel() > 0 and _group_size(dp_group) > 1:
+                    dist.all_reduce(complete, group=dp_group)
+                    collectives += 1
+                dist.all_reduce(partial, group=tp_dp_group)
                 collectives += 1
-            dist.all_reduce(partial, group=tp_dp_group)
+            elif _group_size(dp_group) > 1:
+                dist.all_reduce(self.data, group=dp_group)
+                collectives += 1
+            return collectives
+        if tp_size > 1 and partial.numel() > 0:
+            dist.all_reduce(partial, group=tp_group)
             collectives += 1
-        elif _group_size(dp_group) > 1:
-            dist.all_reduce(self.data, group=dp_group)
+        for region, flat in ((self._complete, complete), (self._partial, partial)):
+            if region.numel == 0:
+                continue
+            mine = self.data[region.start + self.dp_rank * region.segment :][: region.segment]
+            # reduce_scatter writes this rank's reduced segment; the input must not alias it.
+            reduced = torch.empty_like(mine)
+            dist.reduce_scatter_single(reduced, flat, group=dp_group)
+            mine.copy_(reduced)
             collectives += 1
         return collectives
 

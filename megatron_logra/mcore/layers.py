@@ -25,7 +25,6 @@ Shape suffixes: T = tokens (sequence x batch), O = output rows, I = input column
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,23 +32,46 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 from megatron_logra.mcore.seq_collectives import all_gather_first_dim, reduce_scatter_first_dim
-from megatron_logra.sketch import accumulate_sketch_, project_activations
+from megatron_logra.sketch import project_activations
+from megatron_logra.sketch_buffer import FlatSketchBuffer
 
 
-@dataclass
 class LayerSketch:
     """What a sketched layer uses during a step (set and refreshed by the LoGRA optimizer).
 
-    Attributes:
+    Args:
         layer_key: the layer's stable global name.
         projection: ``A`` (column-parallel) or its column slice (row-parallel), ``[r, n_local]``,
-            fp32; cast to the activation dtype in forward.
-        sketch: the layer's ``[rows_local, r]`` fp32 view of the flat sketch buffer.
+            held in fp32 for the update; its values must be exactly representable in the
+            activation dtype, so forward and update use the same matrix.
+        buffer: the flat sketch buffer the layer's rows accumulate into.
     """
 
-    layer_key: str
-    projection: torch.Tensor
-    sketch: torch.Tensor
+    def __init__(self, layer_key: str, projection: torch.Tensor, buffer: FlatSketchBuffer):
+        self.layer_key = layer_key
+        self.buffer = buffer
+        self._projection = projection
+        self._compute_copies: dict[torch.dtype, torch.Tensor] = {}
+
+    @property
+    def projection(self) -> torch.Tensor:
+        return self._projection
+
+    @projection.setter
+    def projection(self, value: torch.Tensor) -> None:
+        self._projection = value
+        self._compute_copies = {}
+
+    def projection_as(self, dtype: torch.dtype) -> torch.Tensor:
+        """The projection in the activation dtype, cast once per refresh, not per microbatch."""
+        if dtype == self._projection.dtype:
+            return self._projection
+        if dtype not in self._compute_copies:
+            self._compute_copies[dtype] = self._projection.to(dtype)
+        return self._compute_copies[dtype]
+
+    def accumulate_(self, grad_output_TO: torch.Tensor, projected_TR: torch.Tensor) -> None:
+        self.buffer.accumulate_(self.layer_key, grad_output_TO, projected_TR)
 
 
 
@@ -68,15 +90,13 @@ class _SketchedLinear(torch.autograd.Function):
         sequence_parallel: bool,
         tp_group: dist.ProcessGroup | None,
     ) -> torch.Tensor:
-        projected_local = project_activations(
-            input_, layer_sketch.projection.to(dtype=input_.dtype)
-        )
+        projected_local = project_activations(input_, layer_sketch.projection_as(input_.dtype))
         total_input = all_gather_first_dim(input_, tp_group) if sequence_parallel else input_
         output = torch.matmul(total_input, weight.t())
         if bias is not None:
             output = output + bias
         ctx.save_for_backward(projected_local, weight)
-        ctx.sketch = layer_sketch.sketch
+        ctx.layer_sketch = layer_sketch
         ctx.use_bias = bias is not None
         ctx.allreduce_dgrad = allreduce_dgrad
         ctx.sequence_parallel = sequence_parallel
@@ -95,9 +115,7 @@ class _SketchedLinear(torch.autograd.Function):
                 dist.all_reduce(grad_input, group=ctx.tp_group)
             projected = projected_local
         grad_output_TO = grad_output.reshape(-1, grad_output.shape[-1])
-        accumulate_sketch_(
-            ctx.sketch, grad_output_TO, projected.reshape(-1, projected.shape[-1])
-        )
+        ctx.layer_sketch.accumulate_(grad_output_TO, projected.reshape(-1, projected.shape[-1]))
         grad_bias = grad_output_TO.sum(dim=0) if ctx.use_bias else None
         return grad_input, None, grad_bias, None, None, None, None
 

@@ -38,6 +38,7 @@ from torch import distributed as dist
 
 from megatron_logra.config import LoGRAConfig
 from megatron_logra.direction import DirectionContext, DirectionRule, make_direction_rule
+from megatron_logra.master_weights import RowShardedMaster
 from megatron_logra.mcore.layers import LayerSketch
 from megatron_logra.mcore.parallel import ParallelGroups
 from megatron_logra.mcore.targets import SketchTarget
@@ -63,6 +64,14 @@ class _TargetParamGroups(torch.optim.Optimizer):
 class LoGRAOptimizer(MegatronOptimizer):
     """Sketch-based updates of this rank's target weights (library mode).
 
+    Two precision modes for the target weights (``logra.master_weights``):
+
+    * ``none``: fp32 parameters are their own masters; every data-parallel rank holds and
+      updates all rows (the sketch buffer is all-reduced).
+    * ``dp_sharded``: bf16 parameters with fp32 masters sharded over the data-parallel group by
+      whole rows. The sketch buffer is reduce-scattered, each rank applies RowAdam and the update
+      to the rows it owns, and the updated bf16 rows are all-gathered.
+
     Args:
         targets: the sketched linears on this rank (their weights must be frozen to autograd).
         logra: the run's LoGRA section.
@@ -81,17 +90,19 @@ class LoGRAOptimizer(MegatronOptimizer):
     ) -> None:
         if not targets:
             raise ValueError("LoGRAOptimizer needs at least one target on this rank")
+        weight_dtype = targets[0].weight.dtype
         for target in targets:
             if target.weight.requires_grad:
                 raise RuntimeError(
                     f"{target.layer_key}.weight still requires grad; freeze sketched weights "
                     "before building DDP so they stay out of its grad buffer"
                 )
-            if target.weight.dtype != torch.float32:
-                raise ValueError(
-                    f"{target.layer_key}.weight is {target.weight.dtype}; library mode merges "
-                    "updates into fp32 weights (model.params_dtype=fp32)"
+            if target.weight.dtype != weight_dtype:
+                raise RuntimeError(
+                    f"{target.layer_key}.weight is {target.weight.dtype}, other targets "
+                    f"{weight_dtype}: targets must share one dtype"
                 )
+        self.master_mode = resolve_master_mode(logra.master_weights, weight_dtype)
         holder = _TargetParamGroups(
             [t.weight for t in targets], lr=config.lr, weight_decay=config.weight_decay
         )
@@ -101,22 +112,34 @@ class LoGRAOptimizer(MegatronOptimizer):
         self.logra = logra
         self.groups = groups
         self.update_count = 0
-        device = targets[0].weight.device
+        self.compute_dtype = weight_dtype
+        sharded = self.master_mode == "dp_sharded"
         self.sketches = FlatSketchBuffer(
             [
-                SketchSlot(t.layer_key, t.rows, self.sketch_rank_of(t), t.tp_partial)
+                SketchSlot(
+                    t.layer_key, t.rows, self.sketch_rank_of(t), t.tp_partial, stride=t.stride
+                )
                 for t in self.targets
             ],
-            device=device,
+            device=targets[0].weight.device,
+            dp_size=groups.dp_size if sharded else 1,
+            dp_rank=groups.dp_rank if sharded else 0,
         )
+        self.masters: dict[str, RowShardedMaster] = {}
+        if sharded:
+            for target in self.targets:
+                self.masters[target.layer_key] = RowShardedMaster(
+                    target.weight, self.sketches.shards[target.layer_key]
+                )
+        # Sketch statistics: replicated sketches are summed over model parallelism only; sharded
+        # ones hold distinct rows on every DP rank as well.
+        self.stats_group = None if sharded else groups.mp
         self.direction: DirectionRule = make_direction_rule(
             logra.direction, self.sketches, beta2=logra.beta2, eps=logra.eps
         )
         for target in self.targets:
             target.module.logra_sketch = LayerSketch(
-                layer_key=target.layer_key,
-                projection=self._projection(target),
-                sketch=self.sketches.view(target.layer_key),
+                target.layer_key, self._projection(target), self.sketches
             )
 
     # ------------------------------------------------------------------ projections
@@ -127,9 +150,15 @@ class LoGRAOptimizer(MegatronOptimizer):
         return self.logra.sketch_rank
 
     def _projection(self, target: SketchTarget) -> torch.Tensor:
+        """A for the current update, in fp32 with values exact in the compute dtype.
+
+        With bf16 weights, A is rounded to bf16 once here, so the forward pass (which projects
+        bf16 activations) and the fp32 update use the same matrix. Rademacher entries with a
+        power-of-4 sketch rank are exact in bf16 anyway.
+        """
         count = self.update_count if self.logra.refresh else 0
         key = projection_key(self.logra.seed, count, target.layer_key)
-        return generate_projection(
+        projection = generate_projection(
             key,
             self.sketch_rank_of(target),
             target.col_start,
@@ -138,6 +167,9 @@ class LoGRAOptimizer(MegatronOptimizer):
             dtype=torch.float32,
             device=target.weight.device,
         )
+        if self.compute_dtype != torch.float32:
+            projection = projection.to(self.compute_dtype).float()
+        return projection
 
     def refresh_projections(self) -> None:
         """Regenerate every projection for the current ``update_count``."""
@@ -155,30 +187,36 @@ class LoGRAOptimizer(MegatronOptimizer):
         ``num_tokens`` is the global token count after Megatron's finalize_model_grads (per-token
         loss), or None, in which case Megatron averaged gradients over data parallelism.
         """
-        self.sketches.all_reduce_(
-            dp_group=self.groups.dp, tp_dp_group=self.groups.tp_dp, tp_size=self.groups.tp_size
+        self.sketches.reduce_(
+            dp_group=self.groups.dp,
+            tp_group=self.groups.tp,
+            tp_dp_group=self.groups.tp_dp,
+            tp_size=self.groups.tp_size,
         )
         if num_tokens is not None:
-            if num_tokens.item() > 0:
-                self.sketches.data.mul_(1.0 / num_tokens.item())
-        elif self.groups.dp_size > 1:
-            self.sketches.data.mul_(1.0 / self.groups.dp_size)
+            scale = 1.0 / num_tokens.item() if num_tokens.item() > 0 else 1.0
+        else:
+            scale = 1.0 / self.groups.dp_size
+        if scale != 1.0:
+            for segment in self.sketches.owned_segments():
+                segment.mul_(scale)
 
     @torch.no_grad()
     def sketch_sq_norm(self) -> float:
-        """``sum_l ||S_l A_l||^2`` over all targets of the model (this rank's TP/PP peers too).
+        """``sum_l ||S_l A_l||^2`` over all targets of the model (every rank's share counted).
 
         Column-parallel ranks hold distinct rows of ``S A``, row-parallel ranks distinct column
-        blocks (their full sketch times their slice of A), pipeline stages distinct layers: the
-        model-parallel sum counts every entry once. DP replicas are identical and not summed.
+        blocks (their full sketch rows times their slice of A), pipeline stages distinct layers,
+        and with sharded masters DP ranks distinct rows: the sum over the statistics group counts
+        every entry once. Replicated DP copies are identical and not summed.
         """
         local = torch.zeros((), dtype=torch.float64, device=self.sketches.data.device)
         for target in self.targets:
             local += reconstructed_sq_norm(
-                self.sketches.view(target.layer_key), self.projection_of(target)
+                self.sketches.owned_view(target.layer_key), self.projection_of(target)
             )
-        if dist.get_world_size(self.groups.mp) > 1:
-            dist.all_reduce(local, group=self.groups.mp)
+        if dist.get_world_size(self.stats_group) > 1:
+            dist.all_reduce(local, group=self.stats_group)
         return float(local.item())
 
     @torch.no_grad()
@@ -186,7 +224,8 @@ class LoGRAOptimizer(MegatronOptimizer):
         """Megatron's clip rule (``max_norm / (total_norm + 1e-6)`` when below one)."""
         clip_coeff = max_norm / (total_norm + 1.0e-6)
         if clip_coeff < 1.0:
-            self.sketches.data.mul_(clip_coeff)
+            for segment in self.sketches.owned_segments():
+                segment.mul_(clip_coeff)
 
     # ------------------------------------------------------------------ MegatronOptimizer API
 
@@ -200,15 +239,21 @@ class LoGRAOptimizer(MegatronOptimizer):
     @torch.no_grad()
     def prepare_grads(self) -> bool:
         """Refuse a non-finite sketch: it would poison the row moments for every later step."""
-        if not bool(torch.isfinite(self.sketches.data).all()):
+        finite = torch.ones((), dtype=torch.float32, device=self.sketches.data.device)
+        for segment in self.sketches.owned_segments():
+            finite = torch.minimum(finite, torch.isfinite(segment).all().float())
+        # Every rank must take the same decision (sharded ranks see different rows).
+        if dist.get_world_size(self.stats_group) > 1:
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN, group=self.stats_group)
+        if finite.item() < 1.0:
             bad = [
                 slot.layer_key
-                for slot, view in self.sketches.items()
+                for slot, view in self.sketches.owned_items()
                 if not bool(torch.isfinite(view).all())
             ]
             raise RuntimeError(
-                f"non-finite LoGRA sketch in {bad[:4]}{' ...' if len(bad) > 4 else ''} at update "
-                f"{self.update_count + 1}; no weight was changed"
+                f"non-finite LoGRA sketch at update {self.update_count + 1} (on this rank: "
+                f"{bad[:4]}{' ...' if len(bad) > 4 else ''}); no weight was changed"
             )
         return False
 
@@ -227,9 +272,11 @@ class LoGRAOptimizer(MegatronOptimizer):
         return grad_norm
 
     def count_zeros(self) -> float:
-        zeros = (self.sketches.data == 0).sum().to(torch.float64)
-        if dist.get_world_size(self.groups.mp) > 1:
-            dist.all_reduce(zeros, group=self.groups.mp)
+        zeros = torch.zeros((), dtype=torch.float64, device=self.sketches.data.device)
+        for segment in self.sketches.owned_segments():
+            zeros += (segment == 0).sum()
+        if dist.get_world_size(self.stats_group) > 1:
+            dist.all_reduce(zeros, group=self.stats_group)
         return float(zeros.item())
 
     @torch.no_grad()
@@ -238,13 +285,16 @@ class LoGRAOptimizer(MegatronOptimizer):
         lr, weight_decay = float(group["lr"]), float(group["weight_decay"])
         self.direction.apply_(self.sketches, DirectionContext(step=self.update_count + 1))
         for target in self.targets:
-            apply_low_rank_update_(
-                target.weight.data,
-                self.sketches.view(target.layer_key),
-                self.projection_of(target),
-                lr=lr,
-                weight_decay=weight_decay,
-            )
+            direction = self.sketches.owned_view(target.layer_key)
+            projection = self.projection_of(target)
+            master = self.masters.get(target.layer_key)
+            if master is None:
+                apply_low_rank_update_(
+                    target.weight.data, direction, projection, lr=lr, weight_decay=weight_decay
+                )
+            else:
+                master.apply_update_(direction, projection, lr=lr, weight_decay=weight_decay)
+                master.publish_(target.weight, self.groups.dp)
         self.update_count += 1
         if self.logra.refresh:
             self.refresh_projections()
@@ -260,12 +310,17 @@ class LoGRAOptimizer(MegatronOptimizer):
         return self.step_with_ready_grads(), grad_norm, None
 
     def reload_model_params(self, state_dict: Any = None) -> None:
-        """fp32 weights are their own masters: nothing to refresh."""
+        """Re-derive sharded masters from the (just loaded) model weights."""
+        for target in self.targets:
+            master = self.masters.get(target.layer_key)
+            if master is not None:
+                master.load_(RowShardedMaster(target.weight, master.shard).master_OI)
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "update_count": self.update_count,
             "direction": {k: v.clone() for k, v in self.direction.state_tensors().items()},
+            "masters": {k: m.master_OI.clone() for k, m in self.masters.items()},
             "param_groups": [
                 {k: v for k, v in g.items() if k != "params"} for g in self.param_groups
             ],
@@ -275,6 +330,8 @@ class LoGRAOptimizer(MegatronOptimizer):
         self.update_count = int(state_dict["update_count"])
         for name, tensor in self.direction.state_tensors().items():
             tensor.copy_(state_dict["direction"][name])
+        for key, master in self.masters.items():
+            master.load_(state_dict["masters"][key])
         for group, saved in zip(self.param_groups, state_dict["param_groups"], strict=True):
             group.update(saved)
         self.refresh_projections()
@@ -285,6 +342,25 @@ class LoGRAOptimizer(MegatronOptimizer):
         raise NotImplementedError(
             "distributed checkpoints of LoGRA state are not available yet; use state_dict()"
         )
+
+
+def resolve_master_mode(requested: str, weight_dtype: torch.dtype) -> str:
+    """``auto`` -> ``none`` for fp32 weights, ``dp_sharded`` for bf16; check explicit choices."""
+    if requested == "auto":
+        return "none" if weight_dtype == torch.float32 else "dp_sharded"
+    if requested == "none" and weight_dtype != torch.float32:
+        raise ValueError(
+            f"logra.master_weights=none merges updates into the weights themselves, which are "
+            f"{weight_dtype}: a ~1e-4 relative update is below bf16 resolution and would be "
+            "lost; use logra.master_weights=dp_sharded (or model.params_dtype=fp32)"
+        )
+    if requested == "dp_sharded" and weight_dtype == torch.float32:
+        raise ValueError(
+            "logra.master_weights=dp_sharded keeps fp32 masters of low-precision weights; with "
+            "model.params_dtype=fp32 the weights are their own masters: use "
+            "logra.master_weights=none (or auto)"
+        )
+    return requested
 
 
 class LoGRAChainedOptimizer(ChainedOptimizer):

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
@@ -44,6 +45,7 @@ def padded_vocab_size(vocab_size: int, divisible_by: int) -> int:
 def transformer_config(cfg: Config, device: torch.device) -> TransformerConfig:
     """The one written-out mapping from our model/parallel sections to Megatron's config."""
     m: ModelConfig = cfg.model
+    params_dtype = torch.bfloat16 if m.params_dtype == "bf16" else torch.float32
     return TransformerConfig(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
@@ -59,11 +61,12 @@ def transformer_config(cfg: Config, device: torch.device) -> TransformerConfig:
         init_method_std=m.init_method_std,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        params_dtype=torch.float32,
+        params_dtype=params_dtype,
+        bf16=m.params_dtype == "bf16",
         tensor_model_parallel_size=cfg.parallel.tp,
         pipeline_model_parallel_size=cfg.parallel.pp,
         virtual_pipeline_model_parallel_size=cfg.parallel.vpp,
-        pipeline_dtype=torch.float32,
+        pipeline_dtype=params_dtype,
         sequence_parallel=cfg.parallel.sp,
         # Sum of per-token losses, normalised once by the global token count in
         # finalize_model_grads: exact under any microbatch / data-parallel split.
@@ -106,7 +109,9 @@ def gpt_layer_spec(
     )
 
 
-def build_model_chunks(cfg: Config, groups: ParallelGroups, vocab_size: int) -> list[GPTModel]:
+def build_model_chunks(
+    cfg: Config, groups: ParallelGroups, vocab_size: int
+) -> list[torch.nn.Module]:
     """This rank's model chunks: one per virtual pipeline stage (one without interleaving).
 
     All chunks share one TransformerConfig object, as Megatron's schedules expect (they read
@@ -133,11 +138,15 @@ def build_model_chunks(cfg: Config, groups: ParallelGroups, vocab_size: int) -> 
         )
         model.to(groups.device)
         initialize_layout_invariant_(model, m, seed=cfg.train.seed, groups=groups)
+        if config.bf16:
+            # Megatron's mixed-precision wrapper: bf16 inputs on the first stage, fp32 outputs
+            # (losses) on the last.
+            model = Float16Module(config, model)
         chunks.append(model)
     return chunks
 
 
-def build_model(cfg: Config, groups: ParallelGroups, vocab_size: int) -> GPTModel:
+def build_model(cfg: Config, groups: ParallelGroups, vocab_size: int) -> torch.nn.Module:
     """The single model chunk of a run without virtual pipeline stages."""
     if groups.vpp_size != 1:
         raise ValueError("build_model builds one chunk; use build_model_chunks with parallel.vpp")

@@ -59,6 +59,7 @@ def persistent_state_bytes(setup: TrainingSetup) -> dict[str, int]:
     for optimizer in _sub_optimizers(setup.optimizer):
         if isinstance(optimizer, LoGRAOptimizer):
             ledger.add("optimizer_state", optimizer.direction.state_tensors().values())
+            ledger.add("optimizer_state", (m.master_OI for m in optimizer.masters.values()))
             ledger.add("sketches", [optimizer.sketches.data])
             ledger.add(
                 "projections", (optimizer.projection_of(t) for t in optimizer.targets)

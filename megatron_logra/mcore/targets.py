@@ -48,6 +48,13 @@ class SketchTarget:
         return self.module.weight.shape[0]
 
     @property
+    def stride(self) -> int:
+        """Interleaved row blocks of the shard (2 for a gated fc1: [gate_t; up_t])."""
+        if self.parallel_kind == "row":
+            return 1
+        return int(getattr(self.module.weight, "partition_stride", 1))
+
+    @property
     def tp_partial(self) -> bool:
         """Row-parallel sketches are partial sums over the tensor-parallel group."""
         return self.parallel_kind == "row"

@@ -47,7 +47,8 @@ def megatron_optimizer_config(cfg: Config) -> MegatronOptimizerConfig:
         sgd_momentum=o.sgd_momentum,
         clip_grad=o.clip_grad,
         use_distributed_optimizer=o.use_distributed_optimizer,
-        params_dtype=torch.float32,
+        bf16=cfg.model.params_dtype == "bf16",
+        params_dtype=torch.bfloat16 if cfg.model.params_dtype == "bf16" else torch.float32,
     )
 
 

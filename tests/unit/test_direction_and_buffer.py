@@ -47,12 +47,12 @@ def test_buffer_is_one_fp32_tensor_holding_every_slot():
 def test_float64_buffer_for_reference_computations_has_float64_views():
     buffer = FlatSketchBuffer(SLOTS, device="cpu", dtype=torch.float64)
     assert buffer.nbytes == 8 * TOTAL_NUMEL
-    assert all(view.dtype == torch.float64 for _, view in buffer.items())
+    assert all(view.dtype == torch.float64 for _, view in buffer.owned_items())
 
 
 def test_views_share_storage_with_flat_buffer_and_tile_it_without_overlap():
     buffer = FlatSketchBuffer(SLOTS, device="cpu")
-    for index, (slot, view) in enumerate(buffer.items()):
+    for index, (slot, view) in enumerate(buffer.owned_items()):
         assert view.shape == (slot.rows, slot.sketch_rank)
         assert view.untyped_storage().data_ptr() == buffer.data.untyped_storage().data_ptr()
         view.fill_(float(index + 1))
@@ -100,15 +100,15 @@ def test_duplicate_layer_keys_raise_value_error():
 def test_zero_clears_every_view():
     buffer = _filled_buffer(0)
     buffer.zero_()
-    for _, view in buffer.items():
+    for _, view in buffer.owned_items():
         assert torch.equal(view, torch.zeros_like(view))
 
 
-def test_all_reduce_without_process_group_issues_no_collective_and_keeps_data():
+def test_reduce_without_process_group_issues_no_collective_and_keeps_data():
     assert not dist.is_initialized()
     buffer = _filled_buffer(1)
     before = buffer.data.clone()
-    issued = buffer.all_reduce_(dp_group=None, tp_dp_group=None, tp_size=1)
+    issued = buffer.reduce_(dp_group=None, tp_group=None, tp_dp_group=None, tp_size=1)
     assert issued == 0
     assert torch.equal(buffer.data, before)
 
@@ -137,10 +137,10 @@ def test_row_adam_direction_rule_equals_row_adam_direction_per_slot_over_steps()
             slot.layer_key: row_adam_direction(
                 view.clone(), reference_moments[slot.layer_key], step=step, beta2=0.9, eps=1e-6
             )
-            for slot, view in buffer.items()
+            for slot, view in buffer.owned_items()
         }
         rule.apply_(buffer, DirectionContext(step=step))
-        for slot, view in buffer.items():
+        for slot, view in buffer.owned_items():
             # Same function, same fp32 inputs and operation order: identical bits.
             assert torch.equal(view, expected[slot.layer_key])
             assert torch.equal(rule.moment(slot.layer_key), reference_moments[slot.layer_key])

@@ -76,9 +76,7 @@ def attach_sketches(model, groups, dtype):
         full = generate_projection(projection_key(42, 0, t.layer_key), SKETCH_RANK, 0,
                                    t.in_features, "rademacher")
         projections[t.layer_key] = full
-        t.module.logra_sketch = LayerSketch(
-            t.layer_key, full[:, t.col_start:t.col_end], buffer.view(t.layer_key)
-        )
+        t.module.logra_sketch = LayerSketch(t.layer_key, full[:, t.col_start:t.col_end], buffer)
     return targets, buffer, projections
 
 
@@ -122,7 +120,8 @@ def measure_sketch(cfg, groups):
 
     dist.all_reduce = counting_all_reduce
     try:
-        buffer.all_reduce_(dp_group=groups.dp, tp_dp_group=groups.tp_dp, tp_size=groups.tp_size)
+        buffer.reduce_(dp_group=groups.dp, tp_group=groups.tp, tp_dp_group=groups.tp_dp,
+                       tp_size=groups.tp_size)
     finally:
         dist.all_reduce = real_all_reduce
     start = buffer.data.data_ptr()
