@@ -258,10 +258,17 @@ class RunConfig:
     save_full_weights: bool = False
     """Gather the full (unsharded) weights at the end into ``<run.dir>/full_weights.pt``, keyed by
     layout-independent names; used to compare runs across parallel layouts."""
+    tensorboard: bool = False
+    """Mirror the metrics to TensorBoard event files in ``<run.dir>/tensorboard``."""
+    wandb: str = "off"
+    """Mirror the metrics to Weights & Biases: ``off``, ``offline`` (files under run.dir) or
+    ``online``."""
+    wandb_project: str = "megatron-logra"
 
     def validate(self) -> None:
         if not self.dir:
             raise ValueError("run.dir is empty; give the run a directory")
+        _check_choice("run", "wandb", self.wandb, ("off", "offline", "online"))
 
 
 @dataclass(kw_only=True)

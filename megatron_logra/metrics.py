@@ -15,8 +15,11 @@ import math
 import os
 import resource
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
+
+from megatron_logra.metric_sinks import MetricSink
 
 logger = logging.getLogger(__name__)
 
@@ -64,10 +67,16 @@ class MetricsLog:
     """Writes step records. Only the process that owns it (rank 0) should create one."""
 
     def __init__(
-        self, path: str | Path | None, *, total_steps: int, console: TextIO | None = sys.stdout
+        self,
+        path: str | Path | None,
+        *,
+        total_steps: int,
+        console: TextIO | None = sys.stdout,
+        sinks: Sequence[MetricSink] = (),
     ) -> None:
         self.total_steps = total_steps
         self.console = console
+        self.sinks = list(sinks)
         self._file: TextIO | None = None
         if path is not None:
             path = Path(path)
@@ -81,6 +90,8 @@ class MetricsLog:
         if self._file is not None:
             self._file.write(json.dumps(record, allow_nan=True) + "\n")
             self._file.flush()
+        for sink in self.sinks:
+            sink.log(record)
         if self.console is not None:
             width = len(str(self.total_steps))
             parts = [f"step {record.get('step', '?'):>{width}}/{self.total_steps}"]
@@ -94,6 +105,9 @@ class MetricsLog:
         if self._file is not None:
             self._file.close()
             self._file = None
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
 
     def __enter__(self) -> MetricsLog:
         return self

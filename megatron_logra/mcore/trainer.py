@@ -30,6 +30,7 @@ from megatron_logra.mcore.parallel import ParallelGroups, destroy_parallel, init
 from megatron_logra.mcore.state_bytes import persistent_state_bytes
 from megatron_logra.mcore.training_setup import TrainingSetup, setup_training
 from megatron_logra.mcore.weights import gather_full_weights, save_tensors_atomically
+from megatron_logra.metric_sinks import metric_sinks
 from megatron_logra.metrics import MetricsLog, peak_rss_bytes
 
 logger = logging.getLogger(__name__)
@@ -112,6 +113,7 @@ def _train(cfg: Config, groups: ParallelGroups) -> dict[str, Any]:
         run_dir / METRICS_FILE if is_rank0 else None,
         total_steps=cfg.train.steps,
         console=sys.stdout if is_rank0 else None,
+        sinks=metric_sinks(cfg) if is_rank0 else (),
     )
     with log:
         for step in range(cfg.train.steps):

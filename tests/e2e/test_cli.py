@@ -36,3 +36,24 @@ def test_cli_refuses_bad_config_with_exit_code_2_and_names_the_field(overrides, 
     assert result.returncode == 2, result.stderr
     assert message in result.stderr, result.stderr
     assert "process group" not in result.stderr.lower()
+
+
+def test_train_mirrors_metrics_to_tensorboard_when_asked(synthetic_data_dir, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from megatron_logra.metrics import read_metrics
+    from tests.torchrun import run_torchrun
+
+    run_dir = tmp_path / "run"
+    run_torchrun(1, ["-m", "megatron_logra", "train", CONFIG, "parallel.tp=1",
+                     "model.num_layers=1", "model.hidden_size=64", "model.ffn_hidden_size=128",
+                     "train.steps=2", f"data.dir={synthetic_data_dir}", f"run.dir={run_dir}",
+                     "run.tensorboard=true"])
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    logged = [(e.step, e.value) for e in events.Scalars("loss")]
+    records = read_metrics(run_dir / "metrics.jsonl")
+    assert [step for step, _ in logged] == [1, 2]
+    # TensorBoard stores float32 scalars.
+    for (_, value), record in zip(logged, records, strict=True):
+        assert abs(value - record["loss"]) <= 1e-6 * abs(record["loss"])

@@ -1,0 +1,121 @@
+# Shared by torchrun_single_node.sh and torchrun_multi_node.sh (sourced, not run): parses the
+# common command line and decides device, process count and the megatron_logra command.
+#
+# After `parse_launch_args "$@"` these are set:
+#   DRY_RUN        1 to print the command and not run it
+#   USE_CPU        1 for CPU/gloo, 0 for GPU
+#   NPROC          processes on this node
+#   PYTHON_BIN     the interpreter that runs torch.distributed.run
+#   ENV_PREFIX     array: `env VAR=value ...` words put in front of the command (may be empty)
+#   TRAINER_ARGS   array: `-m megatron_logra SUBCOMMAND CONFIG OVERRIDES...`
+
+SUBCOMMANDS=(train sft rl)
+
+usage_error() {
+    echo "${SCRIPT_NAME}: $1" >&2
+    echo "usage: ${SCRIPT_NAME} [--cpu] [--nproc N] [--dry-run] {train|sft|rl} CONFIG.yaml [section.key=value ...]" >&2
+    echo "       (run '${SCRIPT_NAME} --help' for the environment variables it reads)" >&2
+    exit 2
+}
+
+is_positive_int() {
+    [[ "$1" =~ ^[1-9][0-9]*$ ]]
+}
+
+# The visible GPUs: CUDA_VISIBLE_DEVICES restricts what nvidia-smi lists, so count it when set.
+count_visible_gpus() {
+    if [[ -n "${CUDA_VISIBLE_DEVICES+x}" && -n "${CUDA_VISIBLE_DEVICES}" ]]; then
+        local -a ids
+        IFS=',' read -r -a ids <<< "${CUDA_VISIBLE_DEVICES}"
+        echo "${#ids[@]}"
+        return
+    fi
+    if ! command -v nvidia-smi > /dev/null 2>&1; then
+        echo 0
+        return
+    fi
+    # nvidia-smi fails (not just prints nothing) when the driver is missing; that means 0 GPUs.
+    nvidia-smi -L 2> /dev/null | grep -c '^GPU ' || true
+}
+
+parse_launch_args() {
+    DRY_RUN=0
+    USE_CPU=0
+    local nproc_flag=""
+    case "${DEVICE:-gpu}" in
+        cpu) USE_CPU=1 ;;
+        gpu | cuda) USE_CPU=0 ;;
+        *) usage_error "DEVICE=${DEVICE} is not valid; use DEVICE=cpu or DEVICE=gpu" ;;
+    esac
+    while [[ $# -gt 0 ]]; do
+        case "$1" in
+            --cpu) USE_CPU=1; shift ;;
+            --dry-run) DRY_RUN=1; shift ;;
+            --nproc)
+                [[ $# -ge 2 ]] || usage_error "--nproc needs a value"
+                nproc_flag="$2"; shift 2 ;;
+            --nproc=*) nproc_flag="${1#--nproc=}"; shift ;;
+            -h | --help) print_help; exit 0 ;;
+            --) shift; break ;;
+            -*) usage_error "unknown option $1" ;;
+            *) break ;;
+        esac
+    done
+    [[ $# -ge 2 ]] || usage_error "need a subcommand and a config file"
+    local subcommand="$1" config="$2"
+    shift 2
+    local known=0 name
+    for name in "${SUBCOMMANDS[@]}"; do
+        [[ "${subcommand}" == "${name}" ]] && known=1
+    done
+    [[ ${known} -eq 1 ]] || usage_error "subcommand '${subcommand}' is not valid; use one of: ${SUBCOMMANDS[*]}"
+    [[ -f "${config}" ]] || usage_error "config file '${config}' does not exist"
+    local override
+    for override in "$@"; do
+        [[ "${override}" == *.*=* ]] || usage_error "override '${override}' must look like section.key=value"
+        if [[ ${USE_CPU} -eq 1 && "${override}" == parallel.device=* && "${override}" != parallel.device=cpu ]]; then
+            usage_error "override '${override}' contradicts --cpu/DEVICE=cpu; drop one of them"
+        fi
+    done
+
+    # Precedence: --nproc, then NPROC, then the hardware (visible GPUs; one process on CPU).
+    NPROC="${nproc_flag:-${NPROC:-}}"
+    if [[ -n "${NPROC}" ]]; then
+        is_positive_int "${NPROC}" || usage_error "process count '${NPROC}' must be a positive integer (--nproc or NPROC)"
+    elif [[ ${USE_CPU} -eq 1 ]]; then
+        NPROC=1
+    else
+        NPROC="$(count_visible_gpus)"
+        [[ "${NPROC}" -gt 0 ]] || usage_error "no GPU is visible (nvidia-smi finds none); use --cpu, DEVICE=cpu, or set NPROC"
+    fi
+
+    PYTHON_BIN="${PYTHON:-python}"
+    command -v "${PYTHON_BIN}" > /dev/null 2>&1 || usage_error "interpreter '${PYTHON_BIN}' not found; set PYTHON to the Python that has megatron_logra installed"
+
+    ENV_PREFIX=()
+    TRAINER_ARGS=(-m megatron_logra "${subcommand}" "${config}" "$@")
+    if [[ ${USE_CPU} -eq 1 ]]; then
+        # Share the cores among the processes unless the caller chose a thread count: torch
+        # otherwise starts one thread per core in every process and they fight for the CPUs.
+        local threads="${OMP_NUM_THREADS:-}"
+        if [[ -z "${threads}" ]]; then
+            local cores
+            cores="$(nproc 2> /dev/null || echo 1)"
+            threads=$(( cores / NPROC ))
+            [[ ${threads} -ge 1 ]] || threads=1
+        fi
+        # An empty CUDA_VISIBLE_DEVICES hides every GPU, so nothing can pick one up by accident.
+        ENV_PREFIX=(env "CUDA_VISIBLE_DEVICES=" "OMP_NUM_THREADS=${threads}")
+        TRAINER_ARGS+=(parallel.device=cpu)
+    fi
+}
+
+# Prints the command on one line, quoted so that it can be pasted into a shell, then runs it
+# (unless --dry-run). `exec` hands the exit status of torchrun straight to the caller.
+run_or_print() {
+    local line
+    line="$(printf '%q ' "$@")"
+    echo "${line% }"
+    [[ ${DRY_RUN} -eq 1 ]] && exit 0
+    exec "$@"
+}
