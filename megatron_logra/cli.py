@@ -44,7 +44,13 @@ def _train(args: argparse.Namespace) -> int:
         return 2
     from megatron_logra.mcore.trainer import train
 
-    train(cfg)
+    try:
+        train(cfg)
+    except ValueError as error:
+        # A user-fixable problem found once the run started (e.g. a checkpoint written with
+        # other settings): say what and how to fix it, without a traceback per rank.
+        print(f"megatron-logra: error: {error}", file=sys.stderr)
+        return 2
     return 0
 
 

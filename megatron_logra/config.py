@@ -233,11 +233,15 @@ class TrainConfig:
     """Sequences per optimizer step over all data-parallel ranks."""
     seed: int = 1234
     """Seeds model initialisation and data order (not the projections: logra.seed)."""
+    exit_interval: int = 0
+    """Stop (after checkpointing, when checkpoint.dir is set) once this many steps ran in this
+    invocation, e.g. to fit a job into a scheduler's time slot; 0 runs to train.steps."""
 
     def validate(self) -> None:
         for name in ("steps", "micro_batch_size", "global_batch_size"):
             _check_positive("train", name, getattr(self, name))
         _check_positive("train", "seed", self.seed, allow_zero=True)
+        _check_positive("train", "exit_interval", self.exit_interval, allow_zero=True)
 
 
 @dataclass(kw_only=True)
@@ -272,6 +276,28 @@ class RunConfig:
 
 
 @dataclass(kw_only=True)
+class CheckpointConfig:
+    """Distributed checkpoints (reshardable across TP/PP/DP layouts, written atomically)."""
+
+    dir: str | None = None
+    """Directory of the run's checkpoints; None disables checkpointing."""
+    interval: int = 0
+    """Save every this many steps (0: only at the end of training and on SIGTERM)."""
+    resume: bool = False
+    """Continue from the newest complete checkpoint in ``dir`` (start fresh if there is none)."""
+    verify: bool = True
+    """Check every checkpoint file's size and SHA-256 against the manifest before loading."""
+
+    def validate(self) -> None:
+        _check_positive("checkpoint", "interval", self.interval, allow_zero=True)
+        if self.dir is None and (self.resume or self.interval):
+            raise ValueError(
+                "checkpoint.resume / checkpoint.interval need checkpoint.dir; set "
+                "checkpoint.dir=<directory>"
+            )
+
+
+@dataclass(kw_only=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -280,6 +306,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def validate(self) -> None:
         for section in dataclasses.fields(self):

@@ -37,7 +37,12 @@ from megatron.core.optimizer.optimizer import ChainedOptimizer, MegatronOptimize
 from torch import distributed as dist
 
 from megatron_logra.config import LoGRAConfig
-from megatron_logra.direction import DirectionContext, DirectionRule, make_direction_rule
+from megatron_logra.direction import (
+    DirectionContext,
+    DirectionRule,
+    RowAdamDirection,
+    make_direction_rule,
+)
 from megatron_logra.master_weights import RowShardedMaster
 from megatron_logra.mcore.layers import LayerSketch
 from megatron_logra.mcore.parallel import ParallelGroups
@@ -327,6 +332,10 @@ class LoGRAOptimizer(MegatronOptimizer):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load either :meth:`state_dict` or a loaded :meth:`sharded_state_dict`."""
+        if "row_pieces" in state_dict:
+            self._load_sharded(state_dict)
+            return
         self.update_count = int(state_dict["update_count"])
         for name, tensor in self.direction.state_tensors().items():
             tensor.copy_(state_dict["direction"][name])
@@ -336,11 +345,127 @@ class LoGRAOptimizer(MegatronOptimizer):
             group.update(saved)
         self.refresh_projections()
 
+    # ------------------------------------------------------------------ dist_checkpointing
+
+    def checkpoint_fingerprint(self) -> dict[str, Any]:
+        """The settings a checkpoint's LoGRA state only makes sense under."""
+        return {
+            "mode": self.logra.mode,
+            "seed": self.logra.seed,
+            "distribution": self.logra.distribution,
+            "sketch_rank": self.logra.sketch_rank,
+            "direction": self.logra.direction,
+            "refresh": self.logra.refresh,
+            "targets": sorted(self.logra.targets),
+            "master_mode": self.master_mode,
+        }
+
+    def _row_fragments(self, target: SketchTarget) -> list[tuple[int, int, int]]:
+        """``(block, fragment index, fragments)`` of each owned row piece in the full weight.
+
+        The full (TP=1) weight's rows are ``stride`` blocks; a column-parallel TP shard owns
+        slice ``t`` of every block, and each DP owner a ``1/dp`` chunk of that, so every piece
+        is one uniform fragment of the global rows. Row-parallel shards hold all rows.
+        """
+        shard = self.sketches.shards[target.layer_key]
+        tp = self.groups.tp_size if target.parallel_kind == "column" else 1
+        tp_rank = self.groups.tp_rank if target.parallel_kind == "column" else 0
+        dp, dp_rank = shard.dp_size, shard.dp_rank
+        return [
+            (block, block * tp * dp + tp_rank * dp + dp_rank, shard.stride * tp * dp)
+            for block in range(shard.stride)
+        ]
+
+    def _row_moment(self, layer_key: str) -> torch.Tensor | None:
+        """This rank's RowAdam moments of a layer (None for directions without row state)."""
+        if isinstance(self.direction, RowAdamDirection):
+            return self.direction.moment(layer_key)
+        return None
+
     def sharded_state_dict(
         self, model_sharded_state_dict: Any, is_loading: bool = False, metadata: Any = None
-    ) -> Any:
-        raise NotImplementedError(
-            "distributed checkpoints of LoGRA state are not available yet; use state_dict()"
+    ) -> dict[str, Any]:
+        """Row moments and fp32 masters as ShardedTensors keyed by layer, reshardable to any
+        TP / PP / DP layout; the update count and settings as common state.
+
+        Projections are not saved: they are regenerated from ``(seed, update_count, layer)``.
+        """
+        del model_sharded_state_dict, is_loading, metadata
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        replicated_rows = not self.sketches.sharded
+        pieces: dict[str, Any] = {}
+        for target in self.targets:
+            key, shard = target.layer_key, self.sketches.shards[target.layer_key]
+            row_part = target.parallel_kind == "row"
+            # Copies of the same rows: row-parallel TP ranks hold the same rows; replicated
+            # layouts hold them on every DP rank too. Only the all-zero replica is written.
+            replica = (
+                self.groups.tp_rank if row_part else 0,
+                self.groups.dp_rank if replicated_rows else 0,
+            )
+            entries: dict[str, list[Any]] = {"moment": [], "master": []}
+            moment_view = self._row_moment(key)
+            master = self.masters.get(key)
+            for block, index, fragments in self._row_fragments(target):
+                rows = slice(block * shard.chunk_rows, (block + 1) * shard.chunk_rows)
+                if moment_view is not None:
+                    entries["moment"].append(ShardedTensor.from_rank_offsets(
+                        f"logra.row_second_moment.{key}", moment_view[rows],
+                        (0, index, fragments), replica_id=replica,
+                    ))
+                if master is not None:
+                    column_axis = (
+                        [(1, self.groups.tp_rank, self.groups.tp_size)] if row_part else []
+                    )
+                    entries["master"].append(ShardedTensor.from_rank_offsets(
+                        f"logra.master.{key}", master.master_OI[rows],
+                        (0, index, fragments), *column_axis, replica_id=0,
+                    ))
+            pieces[key] = entries
+        return {
+            "common": {
+                "update_count": self.update_count,
+                "fingerprint": self.checkpoint_fingerprint(),
+                "param_groups": [
+                    {k: v for k, v in g.items() if k != "params"} for g in self.param_groups
+                ],
+            },
+            "row_pieces": pieces,
+        }
+
+    def _load_sharded(self, state_dict: dict[str, Any]) -> None:
+        common = state_dict["common"]
+        check_compatible_fingerprint(common["fingerprint"], self.checkpoint_fingerprint())
+        for target in self.targets:
+            key, shard = target.layer_key, self.sketches.shards[target.layer_key]
+            entries = state_dict["row_pieces"][key]
+            moment = self._row_moment(key)
+            for block in range(shard.stride):
+                rows = slice(block * shard.chunk_rows, (block + 1) * shard.chunk_rows)
+                if moment is not None:
+                    moment[rows].copy_(entries["moment"][block])
+                if key in self.masters:
+                    self.masters[key].master_OI[rows].copy_(entries["master"][block])
+        self.update_count = int(common["update_count"])
+        for group, saved in zip(self.param_groups, common["param_groups"], strict=True):
+            group.update(saved)
+        self.refresh_projections()
+
+
+def check_compatible_fingerprint(saved: dict[str, Any], current: dict[str, Any]) -> None:
+    """Refuse LoGRA state saved under settings that change what that state means."""
+    mismatched = {
+        name: (saved.get(name), value) for name, value in current.items()
+        if saved.get(name) != value
+    }
+    if mismatched:
+        details = ", ".join(
+            f"{name}: checkpoint {old!r} vs run {new!r}" for name, (old, new) in mismatched.items()
+        )
+        raise ValueError(
+            f"the checkpoint's LoGRA state is incompatible with this run ({details}); resume "
+            "with the settings the checkpoint was written with"
         )
 
 

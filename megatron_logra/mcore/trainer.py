@@ -25,13 +25,15 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron_logra.config import Config
 from megatron_logra.data.dataset_dir import load_tokenizer, load_tokens
 from megatron_logra.data.lm_batches import LMBatchSchedule, Microbatch
+from megatron_logra.mcore.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from megatron_logra.mcore.model import build_model_chunks
 from megatron_logra.mcore.parallel import ParallelGroups, destroy_parallel, init_parallel
 from megatron_logra.mcore.state_bytes import persistent_state_bytes
 from megatron_logra.mcore.training_setup import TrainingSetup, setup_training
 from megatron_logra.mcore.weights import gather_full_weights, save_tensors_atomically
 from megatron_logra.metric_sinks import metric_sinks
-from megatron_logra.metrics import MetricsLog, peak_rss_bytes
+from megatron_logra.metrics import MetricsLog, peak_rss_bytes, read_metrics
+from megatron_logra.preemption import PreemptionFlag
 
 logger = logging.getLogger(__name__)
 
@@ -92,10 +94,6 @@ def train(cfg: Config) -> dict[str, Any]:
 def _train(cfg: Config, groups: ParallelGroups) -> dict[str, Any]:
     is_rank0 = groups.world_rank == 0
     run_dir = Path(cfg.run.dir)
-    if is_rank0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / METRICS_FILE).unlink(missing_ok=True)
-        (run_dir / RESOLVED_CONFIG_FILE).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     tokenizer = load_tokenizer(cfg.data.dir)
     schedule = LMBatchSchedule(
         load_tokens(cfg.data.dir),
@@ -105,8 +103,12 @@ def _train(cfg: Config, groups: ParallelGroups) -> dict[str, Any]:
     )
     chunks = build_model_chunks(cfg, groups, vocab_size=tokenizer.vocab_size)
     setup = setup_training(cfg, chunks, groups)
+    start_step = _maybe_resume(cfg, setup, groups)
+    if is_rank0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        _keep_metrics_up_to(run_dir / METRICS_FILE, start_step)
+        (run_dir / RESOLVED_CONFIG_FILE).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     forward_backward = get_forward_backward_func()
-    tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_length
     record: dict[str, Any] = {}
     state_bytes: list[dict[str, int]] | None = None
     log = MetricsLog(
@@ -115,53 +117,25 @@ def _train(cfg: Config, groups: ParallelGroups) -> dict[str, Any]:
         console=sys.stdout if is_rank0 else None,
         sinks=metric_sinks(cfg) if is_rank0 else (),
     )
-    with log:
-        for step in range(cfg.train.steps):
-            start = time.perf_counter()
-            for chunk in setup.model_chunks:
-                chunk.zero_grad_buffer()
-            setup.optimizer.zero_grad()
-            microbatches = schedule.microbatches(
-                step, dp_rank=groups.dp_rank, dp_size=groups.dp_size,
-                micro_batch_size=cfg.train.micro_batch_size, device=groups.device,
-            )
-            lr = float(setup.optimizer.param_groups[0]["lr"])
-            # Every chunk (virtual stage) walks the same microbatches in the schedule's order.
-            iterators = [iter(microbatches) for _ in setup.model_chunks]
-            losses = forward_backward(
-                forward_step_func=_forward_step,
-                data_iterator=iterators if len(iterators) > 1 else iterators[0],
-                model=setup.model_chunks,
-                num_microbatches=len(microbatches),
-                seq_length=cfg.model.seq_length,
-                micro_batch_size=cfg.train.micro_batch_size,
-                forward_only=False,
-            )
-            success, grad_norm, _ = setup.optimizer.step()
-            if not success:
-                raise RuntimeError(f"optimizer step {step + 1} reported failure")
-            setup.scheduler.step(1)
-            loss = _global_loss(losses, groups)
-            if groups.device.type == "cuda":
-                torch.cuda.synchronize()
-            elapsed = time.perf_counter() - start
-            record = {
-                "step": step + 1,
-                "loss": loss,
-                "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                "lr": lr,
-                "tokens": tokens_per_step,
-                "step_time_s": elapsed,
-                "tokens_per_s": tokens_per_step / elapsed,
-                "mem_bytes": _memory_bytes(groups),
-            }
-            if setup.logra is not None:
-                record["logra_update_count"] = setup.logra.update_count
+    ckpt = cfg.checkpoint
+    with log, PreemptionFlag() as preemption:
+        for step in range(start_step, cfg.train.steps):
+            record = _train_step(cfg, setup, schedule, forward_backward, groups, step)
             if state_bytes is None:
                 state_bytes = _gather_state_bytes(setup, groups)
                 record["state_bytes"] = sum(sum(rank.values()) for rank in state_bytes)
             if is_rank0:
                 log.log(record)
+            completed = step + 1
+            preempted = preemption.agreed(groups.device)
+            exiting = cfg.train.exit_interval and completed - start_step >= cfg.train.exit_interval
+            due = ckpt.interval and completed % ckpt.interval == 0
+            if ckpt.dir and (due or preempted or exiting or completed == cfg.train.steps):
+                save_checkpoint(ckpt.dir, step=completed, setup=setup, cfg=cfg, groups=groups)
+            if preempted or exiting:
+                logger.warning("stopping after step %d (%s)", completed,
+                               "SIGTERM" if preempted else "train.exit_interval")
+                break
     if is_rank0 and state_bytes is not None:
         _write_json_atomically(
             {"method": cfg.optimizer.name, "per_rank": state_bytes,
@@ -172,6 +146,86 @@ def _train(cfg: Config, groups: ParallelGroups) -> dict[str, Any]:
         weights = gather_full_weights(setup.model_chunks, groups)
         if is_rank0:
             save_tensors_atomically(weights, run_dir / FULL_WEIGHTS_FILE)
+    return record
+
+
+def _maybe_resume(cfg: Config, setup: TrainingSetup, groups: ParallelGroups) -> int:
+    """Load the newest checkpoint when asked; returns the number of completed steps."""
+    if not cfg.checkpoint.resume:
+        return 0
+    path = latest_checkpoint(cfg.checkpoint.dir)
+    if path is None:
+        logger.warning("checkpoint.resume=true but %s holds no complete checkpoint: starting "
+                       "from step 0", cfg.checkpoint.dir)
+        return 0
+    common = load_checkpoint(path, setup=setup, cfg=cfg, groups=groups,
+                             verify=cfg.checkpoint.verify)
+    logger.info("resumed from %s (step %d)", path, common["step"])
+    return int(common["step"])
+
+
+def _keep_metrics_up_to(path: Path, step: int) -> None:
+    """A fresh run starts a new metrics file; a resumed one keeps the records up to its
+    checkpoint and drops any written after it by the interrupted run."""
+    if step == 0 or not path.is_file():
+        path.unlink(missing_ok=True)
+        return
+    kept = [r for r in read_metrics(path) if r["step"] <= step]
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(json.dumps(r, allow_nan=True) + "\n" for r in kept))
+    tmp.replace(path)
+
+
+def _train_step(
+    cfg: Config,
+    setup: TrainingSetup,
+    schedule: LMBatchSchedule,
+    forward_backward: Any,
+    groups: ParallelGroups,
+    step: int,
+) -> dict[str, Any]:
+    """One optimizer step (0-based ``step``); returns its metrics record."""
+    start = time.perf_counter()
+    for chunk in setup.model_chunks:
+        chunk.zero_grad_buffer()
+    setup.optimizer.zero_grad()
+    microbatches = schedule.microbatches(
+        step, dp_rank=groups.dp_rank, dp_size=groups.dp_size,
+        micro_batch_size=cfg.train.micro_batch_size, device=groups.device,
+    )
+    lr = float(setup.optimizer.param_groups[0]["lr"])
+    # Every chunk (virtual stage) walks the same microbatches in the schedule's order.
+    iterators = [iter(microbatches) for _ in setup.model_chunks]
+    losses = forward_backward(
+        forward_step_func=_forward_step,
+        data_iterator=iterators if len(iterators) > 1 else iterators[0],
+        model=setup.model_chunks,
+        num_microbatches=len(microbatches),
+        seq_length=cfg.model.seq_length,
+        micro_batch_size=cfg.train.micro_batch_size,
+        forward_only=False,
+    )
+    success, grad_norm, _ = setup.optimizer.step()
+    if not success:
+        raise RuntimeError(f"optimizer step {step + 1} reported failure")
+    setup.scheduler.step(1)
+    loss = _global_loss(losses, groups)
+    if groups.device.type == "cuda":
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    tokens = cfg.train.global_batch_size * cfg.model.seq_length
+    record = {
+        "step": step + 1,
+        "loss": loss,
+        "grad_norm": float(grad_norm) if grad_norm is not None else None,
+        "lr": lr,
+        "tokens": tokens,
+        "step_time_s": elapsed,
+        "tokens_per_s": tokens / elapsed,
+        "mem_bytes": _memory_bytes(groups),
+    }
+    if setup.logra is not None:
+        record["logra_update_count"] = setup.logra.update_count
     return record
 
 
