@@ -72,6 +72,10 @@ class ModelConfig:
     params_dtype: str = "fp32"
     """``fp32``, or ``bf16`` (Megatron's mixed precision: bf16 weights and compute, fp32 main
     gradients and optimizer state)."""
+    init_checkpoint: str | None = None
+    """Start from the weights of this checkpoint directory (model-only, e.g. a converted Hugging
+    Face model or a warm start, or a training checkpoint) instead of random initialisation. Any
+    parallel layout loads it. Ignored when resuming from checkpoint.dir."""
 
     def validate(self) -> None:
         s = "model"

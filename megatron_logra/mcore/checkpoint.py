@@ -320,7 +320,9 @@ _MODEL_SHAPE_FIELDS = (
 _OPTIMIZER_STATE_FIELDS = ("name", "use_distributed_optimizer")
 
 
-def _check_model_matches(saved: dict[str, Any], cfg: Config, path: Path) -> None:
+def _check_model_matches(
+    saved: dict[str, Any], cfg: Config, path: Path, *, check_optimizer: bool = True
+) -> None:
     current = cfg.to_dict()
     mismatched = [
         f"model.{name}: checkpoint {saved['model'].get(name)!r} vs run {current['model'][name]!r}"
@@ -329,10 +331,10 @@ def _check_model_matches(saved: dict[str, Any], cfg: Config, path: Path) -> None
         f"optimizer.{name}: checkpoint {saved['optimizer'].get(name)!r} vs run "
         f"{current['optimizer'][name]!r}"
         for name in _OPTIMIZER_STATE_FIELDS
-        if saved["optimizer"].get(name) != current["optimizer"][name]
+        if check_optimizer and saved["optimizer"].get(name) != current["optimizer"][name]
     ]
-    if cfg.optimizer.name == "logra" and saved["logra"].get("native_optimizer") != \
-            cfg.logra.native_optimizer:
+    if check_optimizer and cfg.optimizer.name == "logra" and \
+            saved["logra"].get("native_optimizer") != cfg.logra.native_optimizer:
         mismatched.append(
             f"logra.native_optimizer: checkpoint {saved['logra'].get('native_optimizer')!r} vs "
             f"run {cfg.logra.native_optimizer!r}"
@@ -342,3 +344,65 @@ def _check_model_matches(saved: dict[str, Any], cfg: Config, path: Path) -> None
             f"checkpoint {path} was written for a different model or optimizer "
             f"({'; '.join(mismatched)}); resume with the settings it was written with"
         )
+
+
+def save_model_checkpoint(
+    root: str | Path, *, model_chunks: Sequence[torch.nn.Module], cfg: Config,
+    groups: ParallelGroups, name: str = "model",
+) -> Path:
+    """A model-only checkpoint (weights, no optimizer): a warm start's output, a converted
+    Hugging Face model, or any starting point ``model.init_checkpoint`` can load at any layout.
+
+    Written with the same atomic staging + manifest protocol as a training checkpoint.
+    """
+    root = Path(root)
+    final = root / name
+    staging_name = [f"{STAGING_PREFIX}{name}-{uuid.uuid4().hex[:8]}"]
+    dist.broadcast_object_list(staging_name, src=0)
+    staging = root / staging_name[0]
+    if groups.world_rank == 0:
+        staging.mkdir(parents=True, exist_ok=False)
+    dist.barrier()
+    state: dict[str, Any] = {
+        _model_keys(i, len(model_chunks)): unwrap_model(chunk).sharded_state_dict()
+        for i, chunk in enumerate(model_chunks)
+    }
+    state["common"] = {"format_version": FORMAT_VERSION, "model_only": True,
+                       "config": cfg.to_dict(), "layout": _layout(groups)}
+    dist_checkpointing.save(state, str(staging))
+    dist.barrier()
+    names = _files(staging)
+    hashes = _hash_shared(staging, names, groups)
+    if groups.world_rank == 0:
+        manifest = {"format_version": FORMAT_VERSION, "model_only": True,
+                    "layout": _layout(groups),
+                    "files": {n: {"size": (staging / n).stat().st_size, "sha256": hashes[n]}
+                              for n in names}}
+        (staging / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(staging, final)
+    dist.barrier()
+    return final
+
+
+def load_model_weights(
+    path: str | Path, *, model_chunks: Sequence[torch.nn.Module], cfg: Config,
+    groups: ParallelGroups, verify: bool = True,
+) -> None:
+    """Load only the model weights of a checkpoint (model-only or full), at any layout."""
+    path = Path(path)
+    if verify:
+        verify_checkpoint(path, groups)
+    common = dist_checkpointing.load_common_state_dict(str(path))["common"]
+    _check_model_matches(common["config"], cfg, path, check_optimizer=False)
+    state = {
+        _model_keys(i, len(model_chunks)): unwrap_model(chunk).sharded_state_dict()
+        for i, chunk in enumerate(model_chunks)
+    }
+    try:
+        loaded = dist_checkpointing.load(state, str(path))
+    except Exception as error:
+        raise RuntimeError(f"model weights in {path} could not be loaded: {error}") from error
+    for index, chunk in enumerate(model_chunks):
+        unwrap_model(chunk).load_state_dict(loaded[_model_keys(index, len(model_chunks))])

@@ -25,7 +25,12 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron_logra.config import Config
 from megatron_logra.data.dataset_dir import load_tokenizer, load_tokens
 from megatron_logra.data.lm_batches import LMBatchSchedule, Microbatch
-from megatron_logra.mcore.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from megatron_logra.mcore.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    load_model_weights,
+    save_checkpoint,
+)
 from megatron_logra.mcore.model import build_model_chunks
 from megatron_logra.mcore.parallel import ParallelGroups, destroy_parallel, init_parallel
 from megatron_logra.mcore.state_bytes import persistent_state_bytes
@@ -102,6 +107,10 @@ def _train(cfg: Config, groups: ParallelGroups) -> dict[str, Any]:
         seed=cfg.train.seed,
     )
     chunks = build_model_chunks(cfg, groups, vocab_size=tokenizer.vocab_size)
+    if cfg.model.init_checkpoint:
+        # Before DDP and the optimizers exist: their fp32 copies start from these weights.
+        load_model_weights(cfg.model.init_checkpoint, model_chunks=chunks, cfg=cfg,
+                           groups=groups, verify=cfg.checkpoint.verify)
     setup = setup_training(cfg, chunks, groups)
     start_step = _maybe_resume(cfg, setup, groups)
     if is_rank0:
