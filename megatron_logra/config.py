@@ -18,13 +18,15 @@ from typing import Any
 
 import yaml
 
+from megatron_logra.controller import KLControlSettings
 from megatron_logra.direction import DIRECTIONS
 from megatron_logra.projection import DISTRIBUTIONS
 
 TARGET_NAMES: tuple[str, ...] = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 OPTIMIZERS: tuple[str, ...] = ("logra", "adam", "sgd")
 NATIVE_OPTIMIZERS: tuple[str, ...] = ("adam", "sgd")
-LOGRA_MODES: tuple[str, ...] = ("library",)
+LOGRA_MODES: tuple[str, ...] = ("library", "paper")
+UPDATE_FACTOR_DTYPES: tuple[str, ...] = ("bf16", "fp32")
 NORMALIZATIONS: tuple[str, ...] = ("LayerNorm", "RMSNorm")
 ACTIVATIONS: tuple[str, ...] = ("gelu", "swiglu")
 POSITION_EMBEDDINGS: tuple[str, ...] = ("rope", "learned_absolute")
@@ -187,12 +189,16 @@ class LoGRAConfig:
     """Low-rank gradient sketches on the target linears (used when optimizer.name=logra)."""
 
     mode: str = "library"
-    """``library``: RowAdam direction, lr schedule, clipping, non-targets trained natively."""
+    """``library``: RowAdam direction, lr schedule, clipping, non-targets trained natively.
+    ``paper``: the paper's RowAdam, a global update ratio instead of a learning rate, no
+    clipping, every non-target parameter frozen (use with logra.kl_control=true)."""
     sketch_rank: int = 16
     distribution: str = "rademacher"
     """``rademacher``, ``gaussian``, or ``identity`` (A = I, sketch rank = input width: the
     dense-gradient limit, for tests)."""
-    direction: str = "row_adam"
+    direction: str = "auto"
+    """``row_adam`` (library), ``paper_row_adam`` (the paper's), ``sgd`` (D = S), or ``auto``:
+    the mode's own (row_adam in library mode, paper_row_adam in paper mode)."""
     native_optimizer: str = "adam"
     """Megatron optimizer for every parameter that is not a sketched target."""
     seed: int = 42
@@ -205,12 +211,29 @@ class LoGRAConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     targets: list[str] = field(default_factory=lambda: list(TARGET_NAMES))
+    update_ratio: float = 6e-5
+    """Paper mode: the proposed update's global Frobenius norm, relative to the target weights'
+    (before the KL controller's scale). The paper's 6e-5 is for billion-parameter models; tiny
+    CPU models need ~1e-3 (see docs/LOG.md)."""
+    update_factor_dtype: str = "bf16"
+    """Paper mode: the scaled factor alpha * D is rounded to this dtype before the merge, as
+    the paper's runs do (``bf16``), or kept in ``fp32``."""
+    kl_control: bool = False
+    """Scale each update to the predicted-KL budget of the kl_control section."""
+
+    @property
+    def resolved_direction(self) -> str:
+        if self.direction != "auto":
+            return self.direction
+        return "paper_row_adam" if self.mode == "paper" else "row_adam"
 
     def validate(self) -> None:
         s = "logra"
         _check_choice(s, "mode", self.mode, LOGRA_MODES)
         _check_choice(s, "distribution", self.distribution, DISTRIBUTIONS)
-        _check_choice(s, "direction", self.direction, DIRECTIONS)
+        _check_choice(s, "direction", self.direction, ("auto", *DIRECTIONS))
+        _check_choice(s, "update_factor_dtype", self.update_factor_dtype, UPDATE_FACTOR_DTYPES)
+        _check_positive(s, "update_ratio", self.update_ratio)
         _check_choice(s, "native_optimizer", self.native_optimizer, NATIVE_OPTIMIZERS)
         _check_choice(s, "master_weights", self.master_weights, MASTER_WEIGHTS)
         _check_positive(s, "sketch_rank", self.sketch_rank)
@@ -227,6 +250,46 @@ class LoGRAConfig:
                 )
         if len(set(self.targets)) != len(self.targets):
             raise ValueError(f"logra.targets has duplicates: {self.targets}")
+
+
+_KL_DEFAULTS = KLControlSettings()
+
+
+@dataclass(kw_only=True)
+class KLControlConfig:
+    """Predicted-KL step control (used when logra.kl_control=true); defaults are the paper's.
+    See megatron_logra.controller for the rule."""
+
+    kl_budget: float = _KL_DEFAULTS.kl_budget
+    """Per-token KL budget (nats) at the first update."""
+    kl_budget_final: float = _KL_DEFAULTS.kl_budget_final
+    schedule_steps: int = _KL_DEFAULTS.schedule_steps
+    """Updates over which the budget anneals (cosine) from kl_budget to kl_budget_final."""
+    alpha_max: float = _KL_DEFAULTS.alpha_max
+    mismatch_subtraction: bool = _KL_DEFAULTS.mismatch_subtraction
+    mismatch_ema_weight: float = _KL_DEFAULTS.mismatch_ema_weight
+    mismatch_budget_floor: float = _KL_DEFAULTS.mismatch_budget_floor
+    probe_responses: int = _KL_DEFAULTS.probe_responses
+    """The first this-many sequences of the global batch are the probe set (on whichever
+    data-parallel ranks hold them), so alpha does not depend on the data-parallel size."""
+    probe_max_tokens: int = _KL_DEFAULTS.probe_max_tokens
+    temperature: float = 1.0
+    """Sampling temperature of the policy (the KL is between temperature-scaled softmaxes)."""
+    mismatch_input: float | None = None
+    """Supervised runs only: a rollout/trainer log-prob gap to feed the controller each step
+    (RL runs measure it from the rollouts)."""
+
+    def settings(self) -> KLControlSettings:
+        names = {f.name for f in dataclasses.fields(KLControlSettings)}
+        return KLControlSettings(**{k: v for k, v in dataclasses.asdict(self).items()
+                                    if k in names})
+
+    def validate(self) -> None:
+        try:
+            self.settings()
+        except ValueError as error:
+            raise ValueError(f"kl_control.{error}") from error
+        _check_positive("kl_control", "temperature", self.temperature)
 
 
 @dataclass(kw_only=True)
@@ -307,6 +370,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     logra: LoGRAConfig = field(default_factory=LoGRAConfig)
+    kl_control: KLControlConfig = field(default_factory=KLControlConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     run: RunConfig = field(default_factory=RunConfig)
@@ -326,6 +390,10 @@ class Config:
                 raise ValueError(
                     f"{name}={value} must be divisible by parallel.tp={p.tp}; change one of them"
                 )
+        if self.logra.kl_control and self.optimizer.name != "logra":
+            raise ValueError(
+                "logra.kl_control=true controls LoGRA updates; it needs optimizer.name=logra"
+            )
         master = self.logra.master_weights
         if (master, m.params_dtype) in (("none", "bf16"), ("dp_sharded", "fp32")):
             raise ValueError(

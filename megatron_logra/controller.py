@@ -54,7 +54,10 @@ class KLControlSettings:
         mismatch_ema_weight: w, weight of a new mismatch observation in the EMA.
         mismatch_budget_floor: the subtraction never leaves less than this fraction of the
             scheduled budget.
-        probe_responses: responses per data-parallel rank used to predict the KL.
+        probe_responses: responses of the *global* batch (its first ones, wherever they live)
+            on which the KL is predicted and measured. The paper takes 2 per data-parallel rank;
+            a global count keeps alpha independent of the data-parallel size (8 = the paper's
+            2 per rank on its 4 training GPUs).
         probe_max_tokens: each probe response is truncated to this many tokens.
     """
 
@@ -65,7 +68,7 @@ class KLControlSettings:
     mismatch_subtraction: bool = True
     mismatch_ema_weight: float = 0.3
     mismatch_budget_floor: float = 0.5
-    probe_responses: int = 2
+    probe_responses: int = 8
     probe_max_tokens: int = 4096
 
     def __post_init__(self) -> None:

@@ -4,24 +4,25 @@ A rule transforms every sketch view of a :class:`FlatSketchBuffer` into its dire
 (the sketch is not needed once the direction exists, and the in-place form saves a buffer the
 size of all sketches). The optimizer then merges ``-lr * D A`` into the weights.
 
-``sgd`` (D = S) and ``row_adam`` (library RowAdam) live here. The paper's direction (RowAdam with
-relative floor, row-scale normalisation, layer-norm restoration and a global update ratio) is a
-further rule behind the same interface; it needs the token count and the weight norms, which
-reach it through :class:`DirectionContext`.
+``sgd`` (D = S), ``row_adam`` (library RowAdam) and ``paper_row_adam`` (the paper's RowAdam:
+relative floor, row-scale normalisation, layer-norm restoration) live here. The paper's global
+update-ratio normalisation needs the weights and projections, so the optimizer applies it after
+the rule.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
 from megatron_logra.row_adam import row_adam_direction
+from megatron_logra.row_adam_paper import PaperRowAdamLayer, paper_row_adam_
 from megatron_logra.sketch_buffer import FlatSketchBuffer
 
-DIRECTIONS: tuple[str, ...] = ("row_adam", "sgd")
+DIRECTIONS: tuple[str, ...] = ("row_adam", "sgd", "paper_row_adam")
 
 
 @dataclass(frozen=True)
@@ -30,9 +31,13 @@ class DirectionContext:
 
     Attributes:
         step: 1-based number of the update being prepared.
+        row_groups: for rules with statistics over a layer's rows: the process group holding
+            the rows of complete (column-parallel) layers, keyed False, and of row-parallel
+            layers, keyed True (None: the rank holds all rows).
     """
 
     step: int
+    row_groups: Mapping[bool, Any] = field(default_factory=dict)
 
 
 class DirectionRule(Protocol):
@@ -103,6 +108,22 @@ class RowAdamDirection:
         return {"row_second_moment": self.row_second_moment}
 
 
+class PaperRowAdamDirection(RowAdamDirection):
+    """The paper's RowAdam (relative floor, RMS-normalised row scales, layer-norm restoration;
+    see :mod:`megatron_logra.row_adam_paper`). Same row-moment state as library RowAdam; its
+    per-layer statistics are reduced over ``context.row_groups``."""
+
+    name = "paper_row_adam"
+
+    def apply_(self, sketches: FlatSketchBuffer, context: DirectionContext) -> None:
+        layers = [
+            PaperRowAdamLayer(view, self.moment(slot.layer_key),
+                              context.row_groups.get(slot.tp_partial))
+            for slot, view in sketches.owned_items()
+        ]
+        paper_row_adam_(layers, step=context.step, beta2=self.beta2, eps=self.eps)
+
+
 def make_direction_rule(
     name: str, sketches: FlatSketchBuffer, *, beta2: float, eps: float
 ) -> DirectionRule:
@@ -111,4 +132,6 @@ def make_direction_rule(
         return SgdDirection()
     if name == "row_adam":
         return RowAdamDirection(sketches, beta2=beta2, eps=eps)
+    if name == "paper_row_adam":
+        return PaperRowAdamDirection(sketches, beta2=beta2, eps=eps)
     raise ValueError(f"logra.direction={name!r} is not one of {DIRECTIONS}")

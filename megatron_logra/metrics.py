@@ -52,6 +52,12 @@ def _format_field(key: str, value: Any) -> str | None:
         return f"{value:.3f} s"
     if key == "mem_bytes":
         return f"mem {value / _MIB:,.0f} MiB"
+    if key == "kl_predicted_scaled":
+        return f"kl_pred {value:.2e}"
+    if key == "kl_realized":
+        return f"kl_real {value:.2e}"
+    if key == "alpha":
+        return f"alpha {value:.3f}"
     if isinstance(value, float):
         return f"{key} {value:.4g}"
     return f"{key} {value}"
@@ -59,7 +65,8 @@ def _format_field(key: str, value: Any) -> str | None:
 
 # Fields shown on the console line, in this order; everything else goes only to JSONL.
 CONSOLE_FIELDS: tuple[str, ...] = (
-    "loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "mem_bytes",
+    "loss", "reward", "accuracy", "grad_norm", "lr", "kl_predicted_scaled", "kl_realized",
+    "alpha", "tokens_per_s", "step_time_s", "mem_bytes",
 )
 
 

@@ -62,10 +62,12 @@ class SketchSlot:
 
 @dataclass(frozen=True)
 class RowPiece:
-    """Local rows ``row_start:row_end`` of a layer's sketch, stored at ``view``."""
+    """Local rows ``row_start:row_end`` of a layer's sketch, stored at ``view`` (which starts at
+    element ``offset`` of the flat buffer)."""
 
     row_start: int
     row_end: int
+    offset: int
     view: torch.Tensor
 
 
@@ -122,8 +124,9 @@ class FlatSketchBuffer:
         shard, r = self.shards[slot.layer_key], slot.sketch_rank
         if not self.sharded:
             # Replicated: the layer's rows are one contiguous [rows, r] block.
-            view = self.data[region.start + offset :][: slot.rows * r].view(slot.rows, r)
-            self._pieces[slot.layer_key] = (RowPiece(0, slot.rows, view),)
+            at = region.start + offset
+            view = self.data[at : at + slot.rows * r].view(slot.rows, r)
+            self._pieces[slot.layer_key] = (RowPiece(0, slot.rows, at, view),)
             self._owned[slot.layer_key] = view
             return
         pieces: list[RowPiece] = []
@@ -131,7 +134,9 @@ class FlatSketchBuffer:
             base = region.start + d * region.segment + offset
             for block, (lo, hi) in enumerate(shard.ranges(d)):
                 at = base + block * shard.chunk_rows * r
-                pieces.append(RowPiece(lo, hi, self.data[at : at + (hi - lo) * r].view(-1, r)))
+                pieces.append(
+                    RowPiece(lo, hi, at, self.data[at : at + (hi - lo) * r].view(-1, r))
+                )
         self._pieces[slot.layer_key] = tuple(sorted(pieces, key=lambda piece: piece.row_start))
         mine = region.start + self.dp_rank * region.segment + offset
         self._owned[slot.layer_key] = self.data[mine : mine + shard.owned_rows * r].view(-1, r)
@@ -142,9 +147,35 @@ class FlatSketchBuffer:
     def sharded(self) -> bool:
         return self.dp_size > 1
 
-    def pieces(self, layer_key: str) -> tuple[RowPiece, ...]:
-        """Where backward accumulates: all local rows of the layer, in row order."""
-        return self._pieces[layer_key]
+    def pieces(self, layer_key: str, data: torch.Tensor | None = None) -> tuple[RowPiece, ...]:
+        """Where backward accumulates: all local rows of the layer, in row order. With ``data``
+        (a tensor laid out like the buffer, e.g. :meth:`gathered_data`) the views are into it."""
+        pieces = self._pieces[layer_key]
+        if data is None:
+            return pieces
+        return tuple(
+            RowPiece(p.row_start, p.row_end, p.offset,
+                     data[p.offset : p.offset + p.view.numel()].view_as(p.view))
+            for p in pieces
+        )
+
+    def gathered_data(self, *, dp_group: dist.ProcessGroup | None) -> torch.Tensor:
+        """Every DP owner's reduced rows, laid out like the buffer (collective when sharded).
+
+        Replicated layouts already hold every row: the buffer itself is returned. Sharded ones
+        all-gather each region's owned segments into a new tensor, one collective per region.
+        """
+        if not self.sharded:
+            return self.data
+        full = torch.empty_like(self.data)
+        for region in (self._complete, self._partial):
+            if region.numel:
+                mine = self.data[region.start + self.dp_rank * region.segment :][: region.segment]
+                dist.all_gather_single(
+                    full[region.start : region.start + region.numel], mine.contiguous(),
+                    group=dp_group,
+                )
+        return full
 
     def view(self, layer_key: str) -> torch.Tensor:
         """The full ``[rows, sketch_rank]`` view (replicated layout only)."""

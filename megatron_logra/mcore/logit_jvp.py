@@ -26,7 +26,8 @@ can carry a tangent too (``parameter_tangents``, keyed by global parameter name)
 forward the parameter is replaced by a dual tensor, and Megatron routes it through its
 frozen-weight linear, whose jvp rule adds the ``X dW^T`` term.
 
-Pipeline parallelism is not supported yet (one model chunk holding the whole network).
+Pipeline parallelism: the probe batch is passed stage to stage with point-to-point messages
+(primal and tangent separately), virtual stage by virtual stage (:func:`staged_forward`).
 Shape names: s = sequence, b = micro-batch, k = rank of the direction, V = vocab shard.
 """
 
@@ -212,6 +213,84 @@ def _dual_parameters(
     return duals
 
 
+@dataclass(frozen=True)
+class PipelinePosition:
+    """Where this rank sits in the pipeline, for forwards outside Megatron's schedules.
+
+    The model's virtual stages run in order ``v = chunk * pp_size + pp_rank``; stage ``v``
+    receives its input from stage ``v - 1`` and sends its output to stage ``v + 1``.
+    """
+
+    pp_rank: int
+    pp_size: int
+    pp_group: dist.ProcessGroup | None
+
+    def neighbour(self, offset: int) -> int:
+        return dist.get_global_rank(self.pp_group, (self.pp_rank + offset) % self.pp_size)
+
+
+def _hidden_shape(chunk: torch.nn.Module, tokens: torch.Tensor) -> tuple[int, int, int]:
+    config = unwrap_model(chunk).config
+    seq = tokens.shape[1]
+    if config.sequence_parallel and config.tensor_model_parallel_size > 1:
+        seq //= config.tensor_model_parallel_size
+    return seq, tokens.shape[0], config.hidden_size
+
+
+def _activation_dtype(chunk: torch.nn.Module) -> torch.dtype:
+    config = unwrap_model(chunk).config
+    return torch.bfloat16 if config.bf16 else next(unwrap_model(chunk).parameters()).dtype
+
+
+def staged_forward(
+    model_chunks: Sequence[torch.nn.Module],
+    tokens: torch.Tensor,
+    position_ids: torch.Tensor,
+    *,
+    pipeline: PipelinePosition | None,
+    dual: bool,
+    attention_mask: torch.Tensor | None = None,
+) -> Any:
+    """One forward of a batch through every chunk of the pipeline, outside the schedules.
+
+    Each rank runs its chunks in virtual-stage order, receiving the previous stage's output and
+    sending its own onward with plain point-to-point messages -- for a forward-AD pass the
+    primal and the tangent travel as two messages, since a collective on a dual tensor would
+    drop the tangent. Returns the last stage's output (logits shard, dual if ``dual``) on the
+    ranks holding the last stage, None elsewhere. Call inside ``fwAD.dual_level()`` when
+    ``dual``.
+    """
+    if pipeline is None or pipeline.pp_size == 1:
+        if len(model_chunks) != 1:
+            raise ValueError("without a pipeline there is exactly one model chunk")
+        return model_chunks[0](tokens, position_ids, attention_mask)
+    output = None
+    last_chunk = len(model_chunks) - 1
+    for index, chunk in enumerate(model_chunks):
+        first = pipeline.pp_rank == 0 and index == 0
+        last = pipeline.pp_rank == pipeline.pp_size - 1 and index == last_chunk
+        if not first:
+            shape, dtype = _hidden_shape(chunk, tokens), _activation_dtype(chunk)
+            primal = torch.empty(shape, dtype=dtype, device=tokens.device)
+            dist.recv(primal, src=pipeline.neighbour(-1))
+            received = primal
+            if dual:
+                tangent = torch.empty_like(primal)
+                dist.recv(tangent, src=pipeline.neighbour(-1))
+                received = fwAD.make_dual(primal, tangent)
+            unwrap_model(chunk).set_input_tensor(received)
+        output = chunk(tokens, position_ids, attention_mask)
+        if not last:
+            primal_out, tangent_out = fwAD.unpack_dual(output) if dual else (output, None)
+            dist.send(primal_out.contiguous(), dst=pipeline.neighbour(+1))
+            if dual:
+                if tangent_out is None:
+                    raise RuntimeError("a pipeline stage's output lost its forward-mode tangent")
+                dist.send(tangent_out.contiguous(), dst=pipeline.neighbour(+1))
+            output = None
+    return output
+
+
 def logit_jvp(
     model_chunks: Sequence[torch.nn.Module],
     tokens: torch.Tensor,
@@ -221,57 +300,55 @@ def logit_jvp(
     directions: Mapping[str, LowRankDirection],
     parameter_tangents: Mapping[str, torch.Tensor] | None = None,
     attention_mask: torch.Tensor | None = None,
-) -> LogitJVP:
+    pipeline: PipelinePosition | None = None,
+) -> LogitJVP | None:
     """Logits and their exact first-order change along ``directions`` (and parameter tangents).
 
     Args:
-        model_chunks: this rank's model chunks; exactly one (pipeline parallelism is not
-            supported yet), a GPTModel holding embedding and output layer, optionally wrapped
-            (DDP, Float16Module). It must have been built with ``parallel_output=True``.
-        tokens, position_ids: ``[b, s]`` probe batch, as for the model's forward.
+        model_chunks: this rank's model chunks (one per virtual pipeline stage), optionally
+            wrapped (DDP, Float16Module), built with ``parallel_output=True``.
+        tokens, position_ids: ``[b, s]`` probe batch, as for the model's forward (every rank of
+            the pipeline gets the same batch).
         targets: this rank's sketched linears (e.g. ``LoGRAOptimizer.targets``).
         directions: ``{layer_key: LowRankDirection(left, right)}`` for any subset of
             ``targets``; ``left @ right`` is the local weight shard's update.
         parameter_tangents: optional ``{global parameter name: tangent}`` for non-target
-            parameters, each shaped like the local parameter.
+            parameters, each shaped like the local parameter (single chunk only).
         attention_mask: passed to the model (None: the causal mask of the layer spec).
+        pipeline: this rank's pipeline position when ``pp > 1``.
 
     Runs under ``torch.no_grad`` in eval mode (the modules' training flags are restored), with
     the forward-AD rules installed (idempotently). Collectives: the same as a forward plus one
-    per target (every TP rank must call this with the same targets and batch).
+    per target; every rank of the model must call this with the same batch.
+
+    Returns:
+        The logits and tangent on the ranks holding the last pipeline stage, None elsewhere.
 
     Raises:
         ValueError: malformed directions or parameter tangents, or nothing to differentiate.
-        RuntimeError: the logits came out without a tangent (an operation on the forward path
-            dropped it), or the chunk is not a whole model.
+        RuntimeError: the logits came out without a tangent.
     """
-    if len(model_chunks) != 1:
-        raise ValueError(
-            f"logit_jvp got {len(model_chunks)} model chunks; the probe supports one chunk "
-            "holding the whole model (pipeline parallelism with pp=1, no virtual stages)"
-        )
     parameter_tangents = dict(parameter_tangents or {})
     if not directions and not parameter_tangents:
         raise ValueError("logit_jvp needs at least one direction or parameter tangent")
-    chunk = model_chunks[0]
-    model = unwrap_model(chunk)
-    if not (getattr(model, "pre_process", False) and getattr(model, "post_process", False)):
-        raise RuntimeError(
-            "logit_jvp needs the whole network in one chunk (pre_process and post_process); "
-            "pipeline stages are not supported by the probe yet"
-        )
-    modules_in_chunk = {id(module) for module in model.modules()}
+    if parameter_tangents and len(model_chunks) != 1:
+        raise ValueError("parameter tangents are supported for a single model chunk only")
+    modules_in_chunks = {id(m) for chunk in model_chunks for m in unwrap_model(chunk).modules()}
     for target in targets:
-        if id(target.module) not in modules_in_chunk:
-            raise ValueError(f"target {target.layer_key} is not a module of the given chunk")
+        if id(target.module) not in modules_in_chunks:
+            raise ValueError(f"target {target.layer_key} is not a module of the given chunks")
     by_key = _check_directions(targets, directions)
-    duals = _dual_parameters(chunk, targets, parameter_tangents)
+    duals = _dual_parameters(model_chunks[0], targets, parameter_tangents)
 
     install_forward_ad_rules()
-    training_flags = [(module, module.training) for module in model.modules()]
+    training_flags = [
+        (module, module.training) for chunk in model_chunks
+        for module in unwrap_model(chunk).modules()
+    ]
     handles = []
     try:
-        model.eval()
+        for chunk in model_chunks:
+            unwrap_model(chunk).eval()
         with torch.no_grad(), fwAD.dual_level():
             for dual in duals:
                 dual.module._parameters[dual.attr] = fwAD.make_dual(
@@ -284,7 +361,10 @@ def logit_jvp(
                         _injection_hook(target, direction), with_kwargs=True
                     )
                 )
-            output = chunk(tokens, position_ids, attention_mask)
+            output = staged_forward(model_chunks, tokens, position_ids, pipeline=pipeline,
+                                    dual=True, attention_mask=attention_mask)
+            if output is None:
+                return None
             logits, tangent = fwAD.unpack_dual(output)
             if tangent is None:
                 raise RuntimeError(
@@ -300,3 +380,27 @@ def logit_jvp(
         for module, flag in training_flags:
             module.training = flag
     return LogitJVP(logits=logits, tangent=tangent)
+
+
+def probe_logits(
+    model_chunks: Sequence[torch.nn.Module],
+    tokens: torch.Tensor,
+    position_ids: torch.Tensor,
+    *,
+    pipeline: PipelinePosition | None = None,
+) -> torch.Tensor | None:
+    """A plain forward of the probe batch (eval mode, no grad): this rank's vocab shard of the
+    logits on the ranks holding the last pipeline stage, None elsewhere."""
+    training_flags = [
+        (module, module.training) for chunk in model_chunks
+        for module in unwrap_model(chunk).modules()
+    ]
+    try:
+        for chunk in model_chunks:
+            unwrap_model(chunk).eval()
+        with torch.no_grad():
+            return staged_forward(model_chunks, tokens, position_ids, pipeline=pipeline,
+                                  dual=False)
+    finally:
+        for module, flag in training_flags:
+            module.training = flag

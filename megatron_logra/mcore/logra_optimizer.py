@@ -27,7 +27,7 @@ Step anatomy (driven by Megatron's schedule and the training loop):
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -37,6 +37,7 @@ from megatron.core.optimizer.optimizer import ChainedOptimizer, MegatronOptimize
 from torch import distributed as dist
 
 from megatron_logra.config import LoGRAConfig
+from megatron_logra.controller import KLController
 from megatron_logra.direction import (
     DirectionContext,
     DirectionRule,
@@ -48,6 +49,7 @@ from megatron_logra.mcore.layers import LayerSketch
 from megatron_logra.mcore.parallel import ParallelGroups
 from megatron_logra.mcore.targets import SketchTarget
 from megatron_logra.projection import generate_projection, projection_key
+from megatron_logra.row_adam_paper import update_ratio_scale
 from megatron_logra.sketch import apply_low_rank_update_, reconstructed_sq_norm
 from megatron_logra.sketch_buffer import FlatSketchBuffer, SketchSlot
 
@@ -140,8 +142,21 @@ class LoGRAOptimizer(MegatronOptimizer):
         # ones hold distinct rows on every DP rank as well.
         self.stats_group = None if sharded else groups.mp
         self.direction: DirectionRule = make_direction_rule(
-            logra.direction, self.sketches, beta2=logra.beta2, eps=logra.eps
+            logra.resolved_direction, self.sketches, beta2=logra.beta2, eps=logra.eps
         )
+        # Groups holding a layer's rows (for per-layer row statistics of the paper's RowAdam):
+        # column-parallel rows are split over TP (and DP when sharded), row-parallel rows over
+        # DP only when sharded.
+        self.row_groups = {
+            False: (groups.tp_dp if sharded else groups.tp) if groups.tp_size > 1 or sharded
+            else None,
+            True: groups.dp if sharded else None,
+        }
+        self._prepared = False
+        self.last_update_scale: float | None = None
+        # Set by the trainer when a KL controller sizes the updates; checkpointed with LoGRA.
+        self.kl_controller: KLController | None = None
+        self.paper_update_scale: float | None = None
         for target in self.targets:
             target.module.logra_sketch = LayerSketch(
                 target.layer_key, self._projection(target), self.sketches
@@ -285,24 +300,125 @@ class LoGRAOptimizer(MegatronOptimizer):
         return float(zeros.item())
 
     @torch.no_grad()
-    def step_with_ready_grads(self) -> bool:
+    def sketch_frobenius_sq(self) -> float:
+        """``sum_l ||S_l||_F^2`` (the paper's reported "grad norm" is its square root)."""
+        local = torch.zeros((), dtype=torch.float64, device=self.sketches.data.device)
+        for target in self.targets:
+            view = self.sketches.owned_view(target.layer_key)
+            # Row-parallel sketch rows are replicated over TP: count them once.
+            if target.tp_partial and self.groups.tp_rank != 0:
+                continue
+            local += view.double().pow(2).sum()
+        if dist.get_world_size(self.stats_group) > 1:
+            dist.all_reduce(local, group=self.stats_group)
+        return float(local.item())
+
+    @torch.no_grad()
+    def prepare_update(self) -> None:
+        """Turn the reduced sketches into this step's directions ``D`` (in place).
+
+        Paper mode also scales all directions jointly so that the proposed update ``-sum D A``
+        has norm ``update_ratio * ||W_targets||``. Nothing is applied yet: a controller may
+        look at the proposal (:meth:`proposed_directions`) and choose its scale first.
+        """
+        if self._prepared:
+            raise RuntimeError("an update is already prepared; apply it before preparing another")
+        self.direction.apply_(
+            self.sketches,
+            DirectionContext(step=self.update_count + 1, row_groups=self.row_groups),
+        )
+        self.paper_update_scale = None
+        if self.logra.mode == "paper":
+            weight_sq = self._weight_sq_norm()
+            direction_sq = self.sketch_sq_norm()
+            kappa = update_ratio_scale(weight_sq, direction_sq, self.logra.update_ratio)
+            for segment in self.sketches.owned_segments():
+                segment.mul_(kappa)
+            self.paper_update_scale = kappa
+        self._prepared = True
+
+    @torch.no_grad()
+    def _weight_sq_norm(self) -> float:
+        """``||W_targets||_F^2`` from the fp32 masters (or the fp32 weights), every share once."""
+        local = torch.zeros((), dtype=torch.float64, device=self.sketches.data.device)
+        for target in self.targets:
+            master = self.masters.get(target.layer_key)
+            weight = master.master_OI if master is not None else target.weight.detach()
+            local += weight.double().pow(2).sum()
+        if dist.get_world_size(self.stats_group) > 1:
+            dist.all_reduce(local, group=self.stats_group)
+        return float(local.item())
+
+    def _step_size(self) -> tuple[float, float]:
+        """``(lr, weight_decay)`` of the update: the scheduler's in library mode; the paper's
+        update has no learning rate (the update ratio and the KL controller size it) and no
+        weight decay."""
+        if self.logra.mode == "paper":
+            return 1.0, 0.0
         group = self.param_groups[0]
-        lr, weight_decay = float(group["lr"]), float(group["weight_decay"])
-        self.direction.apply_(self.sketches, DirectionContext(step=self.update_count + 1))
+        return float(group["lr"]), float(group["weight_decay"])
+
+    @torch.no_grad()
+    def proposed_directions(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """``{layer_key: (left, right)}`` with ``left @ right`` this rank's local weight change
+        of the prepared update at scale 1 (weight decay aside): ``left = -lr D``, ``right = A``.
+
+        With DP-sharded masters each rank holds only its own rows of D; the directions are then
+        all-gathered over DP once (sketch-sized), since every rank probes its own sequences
+        through its whole local model.
+        """
+        if not self._prepared:
+            raise RuntimeError("prepare_update() first")
+        lr, _ = self._step_size()
+        full = self.sketches.gathered_data(dp_group=self.groups.dp)
+        proposals = {}
+        for target in self.targets:
+            pieces = self.sketches.pieces(target.layer_key, data=full)
+            rows = torch.cat([piece.view for piece in pieces], dim=0)
+            proposals[target.layer_key] = (rows.mul(-lr), self.projection_of(target))
+        return proposals
+
+    @torch.no_grad()
+    def apply_update(self, scale: float = 1.0) -> None:
+        """Merge the prepared update times ``scale`` into the weights; refresh projections.
+
+        Library: ``W <- (1 - s lr wd) W - s lr D A``. Paper: ``W <- W - round(s D) A`` with the
+        factor rounded to ``logra.update_factor_dtype`` (the paper's runs round it to bf16).
+        """
+        if not self._prepared:
+            raise RuntimeError("prepare_update() first")
+        if not math.isfinite(scale) or scale < 0.0:
+            raise RuntimeError(f"refusing to apply an update with scale {scale}")
+        lr, weight_decay = self._step_size()
+        round_factor = self.logra.mode == "paper" and self.logra.update_factor_dtype == "bf16"
         for target in self.targets:
             direction = self.sketches.owned_view(target.layer_key)
+            if round_factor:
+                direction = (direction * scale).to(torch.bfloat16).float()
+                step_lr = lr
+            else:
+                step_lr = lr * scale
             projection = self.projection_of(target)
             master = self.masters.get(target.layer_key)
+            # (1 - step_lr * wd) with step_lr = scale * lr: the decay is scaled with the step
+            # (paper mode has no decay, and its scale is folded into the rounded factor).
             if master is None:
-                apply_low_rank_update_(
-                    target.weight.data, direction, projection, lr=lr, weight_decay=weight_decay
-                )
+                apply_low_rank_update_(target.weight.data, direction, projection, lr=step_lr,
+                                       weight_decay=weight_decay)
             else:
-                master.apply_update_(direction, projection, lr=lr, weight_decay=weight_decay)
+                master.apply_update_(direction, projection, lr=step_lr,
+                                     weight_decay=weight_decay)
                 master.publish_(target.weight, self.groups.dp)
         self.update_count += 1
+        self.last_update_scale = scale
+        self._prepared = False
         if self.logra.refresh:
             self.refresh_projections()
+
+    @torch.no_grad()
+    def step_with_ready_grads(self) -> bool:
+        self.prepare_update()
+        self.apply_update(1.0)
         return True
 
     @torch.no_grad()
@@ -358,6 +474,7 @@ class LoGRAOptimizer(MegatronOptimizer):
             "refresh": self.logra.refresh,
             "targets": sorted(self.logra.targets),
             "master_mode": self.master_mode,
+            "update_ratio": self.logra.update_ratio if self.logra.mode == "paper" else None,
         }
 
     def _row_fragments(self, target: SketchTarget) -> list[tuple[int, int, int]]:
@@ -426,6 +543,9 @@ class LoGRAOptimizer(MegatronOptimizer):
         return {
             "common": {
                 "update_count": self.update_count,
+                "kl_controller": (
+                    self.kl_controller.state_dict() if self.kl_controller is not None else None
+                ),
                 "fingerprint": self.checkpoint_fingerprint(),
                 "param_groups": [
                     {k: v for k, v in g.items() if k != "params"} for g in self.param_groups
@@ -448,6 +568,13 @@ class LoGRAOptimizer(MegatronOptimizer):
                 if key in self.masters:
                     self.masters[key].master_OI[rows].copy_(entries["master"][block])
         self.update_count = int(common["update_count"])
+        if self.kl_controller is not None:
+            if common.get("kl_controller") is None:
+                raise ValueError(
+                    "this run uses logra.kl_control but the checkpoint has no KL controller "
+                    "state; resume without kl_control or from a checkpoint written with it"
+                )
+            self.kl_controller.load_state_dict(common["kl_controller"])
         for group, saved in zip(self.param_groups, common["param_groups"], strict=True):
             group.update(saved)
         self.refresh_projections()
@@ -495,6 +622,9 @@ class LoGRAChainedOptimizer(ChainedOptimizer):
         natives = list(native.chained_optimizers) if isinstance(native, ChainedOptimizer) else [
             native
         ]
+        # A stub (a rank whose native parameters are all frozen, e.g. paper mode) holds no
+        # optimizer; Megatron's chain cannot checkpoint one, and it has nothing to step.
+        natives = [opt for opt in natives if not getattr(opt, "is_stub_optimizer", False)]
         super().__init__(natives + [logra])
         self.native_optimizers = natives
         self.logra = logra
@@ -503,17 +633,29 @@ class LoGRAChainedOptimizer(ChainedOptimizer):
 
     @torch.no_grad()
     def get_grad_norm(self) -> float:
+        if self.logra.logra.mode == "paper":
+            # The paper reports the sketch norm sqrt(sum ||S||^2); nothing else is trained.
+            return math.sqrt(self.logra.sketch_frobenius_sq())
         native_norm = self._native_chain.get_grad_norm() if self._native_chain else 0.0
         return math.sqrt(float(native_norm) ** 2 + self.logra.sketch_sq_norm())
 
     @torch.no_grad()
-    def step(self) -> tuple[bool, float | None, float | None]:
-        """As ``ChainedOptimizer.step``, with the sketches inside the norm and the clip."""
+    def step(
+        self, control: Callable[[LoGRAOptimizer], float] | None = None
+    ) -> tuple[bool, float | None, float | None]:
+        """As ``ChainedOptimizer.step``, with the sketches inside the norm and the clip, and an
+        optional step controller.
+
+        Order: grads ready -> global norm -> clip (library mode; the paper's update is sized by
+        its update ratio instead) -> LoGRA prepares its directions -> ``control(logra)``
+        returns the scale of the LoGRA update (e.g. from the predicted KL, computed at the
+        current weights) -> the native optimizers step -> the LoGRA update is applied.
+        """
         found_inf_flag = self.prepare_grads()
         if found_inf_flag:
             return False, None, None
         grad_norm = self.get_grad_norm()
-        if self.config.clip_grad > 0.0:
+        if self.config.clip_grad > 0.0 and self.logra.logra.mode != "paper":
             for optimizer in self.native_optimizers:
                 if getattr(optimizer, "is_stub_optimizer", False):
                     continue
@@ -533,5 +675,10 @@ class LoGRAChainedOptimizer(ChainedOptimizer):
             num_zeros_in_grad = sum(
                 opt.count_zeros() for opt in self.native_optimizers
             ) + self.logra.count_zeros()
-        update_successful = self.step_with_ready_grads()
-        return update_successful, grad_norm, num_zeros_in_grad
+        self.logra.prepare_update()
+        scale = control(self.logra) if control is not None else 1.0
+        success = True
+        for optimizer in self.native_optimizers:
+            success &= optimizer.step_with_ready_grads()
+        self.logra.apply_update(scale)
+        return success, grad_norm, num_zeros_in_grad

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import yaml
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megatron_logra.config import Config
+from megatron_logra.config import Config, KLControlConfig
 from megatron_logra.data.dataset_dir import load_tokenizer, load_tokens
 from megatron_logra.data.lm_batches import LMBatchSchedule, Microbatch
 from megatron_logra.mcore.checkpoint import (
@@ -31,6 +31,7 @@ from megatron_logra.mcore.checkpoint import (
     load_model_weights,
     save_checkpoint,
 )
+from megatron_logra.mcore.kl_step_control import KLStepControl, ProbeBatch
 from megatron_logra.mcore.model import build_model_chunks
 from megatron_logra.mcore.parallel import ParallelGroups, destroy_parallel, init_parallel
 from megatron_logra.mcore.state_bytes import persistent_state_bytes
@@ -112,6 +113,11 @@ def _train(cfg: Config, groups: ParallelGroups) -> dict[str, Any]:
         load_model_weights(cfg.model.init_checkpoint, model_chunks=chunks, cfg=cfg,
                            groups=groups, verify=cfg.checkpoint.verify)
     setup = setup_training(cfg, chunks, groups)
+    control = None
+    if cfg.logra.kl_control:
+        control = KLStepControl(setup.model_chunks, settings=cfg.kl_control, groups=groups,
+                                vocab_size=tokenizer.vocab_size)
+        setup.logra.kl_controller = control.controller
     start_step = _maybe_resume(cfg, setup, groups)
     if is_rank0:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -129,7 +135,7 @@ def _train(cfg: Config, groups: ParallelGroups) -> dict[str, Any]:
     ckpt = cfg.checkpoint
     with log, PreemptionFlag() as preemption:
         for step in range(start_step, cfg.train.steps):
-            record = _train_step(cfg, setup, schedule, forward_backward, groups, step)
+            record = _train_step(cfg, setup, schedule, forward_backward, groups, step, control)
             if state_bytes is None:
                 state_bytes = _gather_state_bytes(setup, groups)
                 record["state_bytes"] = sum(sum(rank.values()) for rank in state_bytes)
@@ -185,6 +191,23 @@ def _keep_metrics_up_to(path: Path, step: int) -> None:
     tmp.replace(path)
 
 
+def _probe_batch(
+    microbatches: list[Microbatch], settings: KLControlConfig, *, dp_rank: int
+) -> ProbeBatch:
+    """The KL probe of a supervised step: the first ``probe_responses`` sequences of the global
+    batch that this DP rank holds (possibly none), every label position counted, at most
+    ``probe_max_tokens`` positions each."""
+    per_rank = sum(batch.tokens.shape[0] for batch in microbatches)
+    rows = max(0, min(settings.probe_responses - dp_rank * per_rank, per_rank))
+    tokens = torch.cat([batch.tokens for batch in microbatches])[:rows]
+    length = min(settings.probe_max_tokens, tokens.shape[1])
+    return ProbeBatch(
+        tokens=tokens[:, :length],
+        position_ids=torch.cat([batch.position_ids for batch in microbatches])[:rows, :length],
+        mask=torch.cat([batch.loss_mask for batch in microbatches])[:rows, :length] > 0,
+    )
+
+
 def _train_step(
     cfg: Config,
     setup: TrainingSetup,
@@ -192,6 +215,7 @@ def _train_step(
     forward_backward: Any,
     groups: ParallelGroups,
     step: int,
+    control: KLStepControl | None = None,
 ) -> dict[str, Any]:
     """One optimizer step (0-based ``step``); returns its metrics record."""
     start = time.perf_counter()
@@ -214,7 +238,13 @@ def _train_step(
         micro_batch_size=cfg.train.micro_batch_size,
         forward_only=False,
     )
-    success, grad_norm, _ = setup.optimizer.step()
+    if control is not None:
+        control.set_batch(_probe_batch(microbatches, cfg.kl_control, dp_rank=groups.dp_rank))
+        if cfg.kl_control.mismatch_input is not None:
+            control.observe_mismatch(cfg.kl_control.mismatch_input)
+        success, grad_norm, _ = setup.optimizer.step(control=control)
+    else:
+        success, grad_norm, _ = setup.optimizer.step()
     if not success:
         raise RuntimeError(f"optimizer step {step + 1} reported failure")
     setup.scheduler.step(1)
@@ -235,6 +265,12 @@ def _train_step(
     }
     if setup.logra is not None:
         record["logra_update_count"] = setup.logra.update_count
+        if cfg.logra.mode == "paper":
+            # No learning rate: the update ratio (and the KL controller's alpha) size the step.
+            record["lr"] = None
+            record["update_ratio"] = cfg.logra.update_ratio
+    if control is not None:
+        record.update(control.metrics(control.realised()))
     return record
 
 

@@ -21,6 +21,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron_logra.config import Config
 from megatron_logra.mcore.logra_optimizer import LoGRAChainedOptimizer, LoGRAOptimizer
 from megatron_logra.mcore.parallel import ParallelGroups
+from megatron_logra.mcore.sharding import unwrap_model
 from megatron_logra.mcore.targets import find_targets
 
 
@@ -69,6 +70,28 @@ def finalize_grads_with_sketches(
     logra.reduce_sketches(num_tokens)
 
 
+def freeze_non_targets(model_chunks: list[torch.nn.Module]) -> None:
+    """The paper trains only the sketched linears: freeze everything else.
+
+    With every parameter frozen, nothing upstream of the first sketched layer would require
+    grad and backward would never reach the sketches; the embedding's output is therefore made
+    to require grad (an anchor for autograd, no parameter gets a gradient). Later pipeline
+    stages receive their inputs from Megatron's schedule with requires_grad set.
+    """
+    for chunk in model_chunks:
+        for param in chunk.parameters():
+            param.requires_grad_(False)
+        embedding = getattr(unwrap_model(chunk), "embedding", None)
+        if embedding is not None and getattr(unwrap_model(chunk), "pre_process", False):
+            embedding.register_forward_hook(_require_grad_output)
+
+
+def _require_grad_output(module: torch.nn.Module, args: object, output: torch.Tensor):
+    if torch.is_grad_enabled() and not output.requires_grad:
+        return output.requires_grad_(True)
+    return output
+
+
 def setup_training(
     cfg: Config, model_chunks: list[torch.nn.Module], groups: ParallelGroups
 ) -> TrainingSetup:
@@ -79,6 +102,8 @@ def setup_training(
         targets = find_targets(model_chunks, cfg.logra.targets, tp_rank=groups.tp_rank)
         for target in targets:
             target.weight.requires_grad_(False)
+        if cfg.logra.mode == "paper":
+            freeze_non_targets(model_chunks)
     config = model_chunks[0].config
     ddp_chunks = [
         DistributedDataParallel(

@@ -152,7 +152,7 @@ def test_probe_rejects_malformed_input_and_a_lost_tangent(tp1):
         "bad_shape": "ValueError: direction for decoder.layers.0.self_attention.linear_qkv",
         "target_as_parameter": "ValueError: parameter_tangents names the target weight",
         "nothing_to_probe": "ValueError: logit_jvp needs at least one direction",
-        "two_chunks": "ValueError: logit_jvp got 2 model chunks",
+        "two_chunks": "ValueError: without a pipeline there is exactly one model chunk",
         "tangent_lost": "RuntimeError: the logits carry no forward-mode tangent",
     }
     assert set(tp1["errors"]) == set(expected)

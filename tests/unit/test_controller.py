@@ -25,7 +25,9 @@ def test_default_settings_are_the_paper_values() -> None:
     assert (s.kl_budget, s.kl_budget_final, s.schedule_steps, s.alpha_max) == (2e-4, 2e-5, 300, 3.0)
     assert s.mismatch_subtraction is True
     assert (s.mismatch_ema_weight, s.mismatch_budget_floor) == (0.3, 0.5)
-    assert (s.probe_responses, s.probe_max_tokens) == (2, 4096)
+    # The paper probes 2 responses per data-parallel rank on 4 training GPUs; ours is a global
+    # count (layout independent), 8 = 2 x 4.
+    assert (s.probe_responses, s.probe_max_tokens) == (8, 4096)
 
 
 def test_budget_starts_at_kl_budget_and_reaches_final_at_update_h_minus_one() -> None:

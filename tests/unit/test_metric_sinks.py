@@ -154,6 +154,11 @@ def test_wandb_offline_run_history_holds_each_numeric_field_at_its_step(tmp_path
     for record in RECORDS:
         sink.log(record)
     sink.close()
+    # finish() returns once wandb's service process has the data; the service writes the
+    # offline file asynchronously. Shutting the service down waits for that write.
+    import wandb
+
+    wandb.teardown()
 
     assert sink.run_dir.parent == tmp_path / "wb" / "wandb"
     (run_file,) = sink.run_dir.glob("run-*.wandb")

@@ -57,8 +57,8 @@ def test_console_line_shows_step_counter_and_formatted_fields():
     console = io.StringIO()
     MetricsLog(None, total_steps=20, console=console).log(RECORDS[0])
     assert console.getvalue() == (
-        "step  3/20 | loss 4.1234 | grad_norm 1.500e+00 | lr 1.00e-03 | tok/s 12,345"
-        " | 0.123 s | mem 512 MiB\n"
+        "step  3/20 | loss 4.1234 | grad_norm 1.500e+00 | lr 1.00e-03 | alpha 0.250"
+        " | tok/s 12,345 | 0.123 s | mem 512 MiB\n"
     )
 
 

@@ -1,0 +1,96 @@
+"""A NaN in one sketch must stop the step before anything changes (run with torchrun).
+
+Builds the real training setup (paper mode + KL control, or library mode), runs one real
+forward/backward through Megatron's schedule, poisons one sketch entry, and calls the optimizer
+step. Writes JSON: the exception raised, whether every parameter is bit-identical to before,
+the update count, and whether the KL controller was consulted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+
+from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
+
+from megatron_logra.config import load_config  # noqa: E402
+from megatron_logra.data.dataset_dir import load_tokenizer, load_tokens  # noqa: E402
+from megatron_logra.data.lm_batches import LMBatchSchedule  # noqa: E402
+from megatron_logra.mcore.kl_step_control import KLStepControl, ProbeBatch  # noqa: E402
+from megatron_logra.mcore.model import build_model_chunks  # noqa: E402
+from megatron_logra.mcore.parallel import init_parallel  # noqa: E402
+from megatron_logra.mcore.trainer import _forward_step  # noqa: E402
+from megatron_logra.mcore.training_setup import setup_training  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--data", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--mode", choices=["paper", "library"], required=True)
+    args = parser.parse_args()
+    world = int(os.environ["WORLD_SIZE"])
+    overrides = [
+        "parallel.device=cpu", f"parallel.tp={world}", "model.num_layers=2",
+        "model.hidden_size=64", "model.num_attention_heads=4", "model.ffn_hidden_size=128",
+        "model.seq_length=32", "train.micro_batch_size=4", "train.global_batch_size=4",
+        "optimizer.name=logra", f"logra.mode={args.mode}", "logra.kl_control=true",
+        f"data.dir={args.data}",
+    ]
+    cfg = load_config(None, overrides).resolved(world)
+    groups = init_parallel(cfg)
+    tokenizer = load_tokenizer(cfg.data.dir)
+    schedule = LMBatchSchedule(load_tokens(cfg.data.dir), seq_length=32, global_batch_size=4,
+                               seed=cfg.train.seed)
+    setup = setup_training(cfg, build_model_chunks(cfg, groups, tokenizer.vocab_size), groups)
+    control = KLStepControl(setup.model_chunks, settings=cfg.kl_control, groups=groups,
+                            vocab_size=tokenizer.vocab_size)
+    consulted = []
+
+    def spy(logra):
+        consulted.append(True)
+        return control(logra)
+
+    for chunk in setup.model_chunks:
+        chunk.zero_grad_buffer()
+    setup.optimizer.zero_grad()
+    batches = schedule.microbatches(0, dp_rank=0, dp_size=1, micro_batch_size=4)
+    control.set_batch(ProbeBatch(batches[0].tokens, batches[0].position_ids,
+                                 batches[0].loss_mask > 0))
+    get_forward_backward_func()(
+        forward_step_func=_forward_step, data_iterator=iter(batches),
+        model=setup.model_chunks, num_microbatches=1, seq_length=32, micro_batch_size=4,
+        forward_only=False,
+    )
+    before = {name: p.detach().clone() for chunk in setup.model_chunks
+              for name, p in chunk.named_parameters()}
+    # One entry of one layer's reduced sketch becomes NaN (as a bad batch or overflow would).
+    setup.logra.sketches.data[3] = float("nan")
+    error = None
+    try:
+        setup.optimizer.step(control=spy)
+    except RuntimeError as exc:
+        error = str(exc)
+    after = {name: p.detach() for chunk in setup.model_chunks
+             for name, p in chunk.named_parameters()}
+    result = {
+        "error": error,
+        "weights_unchanged": all(torch.equal(before[n], after[n]) for n in before),
+        "update_count": setup.logra.update_count,
+        "controller_consulted": bool(consulted),
+    }
+    if groups.world_rank == 0:
+        Path(args.out).write_text(json.dumps(result))
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
