@@ -1,4 +1,4 @@
-"""Command line: ``megatron-logra train CONFIG.yaml [section.key=value ...]``.
+"""Command line: ``megatron-logra {train,sft,rl} CONFIG.yaml [section.key=value ...]``.
 
 Launch several processes with torchrun::
 
@@ -34,11 +34,17 @@ def _configure_logging() -> None:
         warnings.filterwarnings("ignore", message=pattern)
 
 
+# What `sft` means on top of `train`: supervised prompt -> answer data, and the final weights
+# written as a model-only checkpoint (<run.dir>/model) for an RL run's model.init_checkpoint.
+SFT_DEFAULTS: tuple[str, ...] = ("data.format=prompts", "run.save_model=true")
+
+
 def _train(args: argparse.Namespace) -> int:
     from megatron_logra.mcore.parallel import world_size_from_env
 
+    overrides = [*SFT_DEFAULTS, *args.overrides] if args.command == "sft" else args.overrides
     try:
-        cfg = load_config(args.config, args.overrides).resolved(world_size_from_env())
+        cfg = load_config(args.config, overrides).resolved(world_size_from_env())
     except ValueError as error:
         print(f"megatron-logra: configuration error: {error}", file=sys.stderr)
         return 2
@@ -61,6 +67,12 @@ def main(argv: list[str] | None = None) -> int:
     train_parser.add_argument("config", help="YAML config file")
     train_parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
     train_parser.set_defaults(handler=_train)
+    sft_parser = commands.add_parser(
+        "sft", help="supervised warm start on prompt/answer data; writes <run.dir>/model"
+    )
+    sft_parser.add_argument("config", help="YAML config file")
+    sft_parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    sft_parser.set_defaults(handler=_train)
     args = parser.parse_args(argv)
     _configure_logging()
     return args.handler(args)

@@ -311,15 +311,23 @@ class TrainConfig:
         _check_positive("train", "exit_interval", self.exit_interval, allow_zero=True)
 
 
+DATA_FORMATS: tuple[str, ...] = ("corpus", "prompts")
+
+
 @dataclass(kw_only=True)
 class DataConfig:
     dir: str = ".data/synthetic"
-    """A directory made by ``tools/make_synthetic_data.py``: corpus.txt and tokenizer.model."""
+    """A directory made by ``tools/make_synthetic_data.py``: tokens.npy (corpus), train.jsonl /
+    eval.jsonl (prompts and answers) and tokenizer.model."""
+    format: str = "corpus"
+    """``corpus``: language modelling on tokens.npy; ``prompts``: supervised prompt -> answer
+    training on train.jsonl (the loss on the answer and EOS only)."""
 
     def validate(self) -> None:
         if not self.dir:
             raise ValueError("data.dir is empty; point it at a directory made by "
                              "tools/make_synthetic_data.py")
+        _check_choice("data", "format", self.format, DATA_FORMATS)
 
 
 @dataclass(kw_only=True)
@@ -329,6 +337,9 @@ class RunConfig:
     save_full_weights: bool = False
     """Gather the full (unsharded) weights at the end into ``<run.dir>/full_weights.pt``, keyed by
     layout-independent names; used to compare runs across parallel layouts."""
+    save_model: bool = False
+    """Write a model-only checkpoint of the final weights to ``<run.dir>/model`` (what
+    model.init_checkpoint of a later run loads, e.g. a warm start for RL)."""
     tensorboard: bool = False
     """Mirror the metrics to TensorBoard event files in ``<run.dir>/tensorboard``."""
     wandb: str = "off"

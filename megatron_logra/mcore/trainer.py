@@ -25,11 +25,13 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron_logra.config import Config, KLControlConfig
 from megatron_logra.data.dataset_dir import load_tokenizer, load_tokens
 from megatron_logra.data.lm_batches import LMBatchSchedule, Microbatch
+from megatron_logra.data.prompt_data import SupervisedBatchSchedule, load_problems
 from megatron_logra.mcore.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
     load_model_weights,
     save_checkpoint,
+    save_model_checkpoint,
 )
 from megatron_logra.mcore.kl_step_control import KLStepControl, ProbeBatch
 from megatron_logra.mcore.model import build_model_chunks
@@ -47,6 +49,7 @@ METRICS_FILE = "metrics.jsonl"
 STATE_BYTES_FILE = "state_bytes.json"
 FULL_WEIGHTS_FILE = "full_weights.pt"
 RESOLVED_CONFIG_FILE = "config.yaml"
+MODEL_DIR = "model"
 
 
 def _loss_func(
@@ -101,12 +104,7 @@ def _train(cfg: Config, groups: ParallelGroups) -> dict[str, Any]:
     is_rank0 = groups.world_rank == 0
     run_dir = Path(cfg.run.dir)
     tokenizer = load_tokenizer(cfg.data.dir)
-    schedule = LMBatchSchedule(
-        load_tokens(cfg.data.dir),
-        seq_length=cfg.model.seq_length,
-        global_batch_size=cfg.train.global_batch_size,
-        seed=cfg.train.seed,
-    )
+    schedule = _batch_schedule(cfg, tokenizer)
     chunks = build_model_chunks(cfg, groups, vocab_size=tokenizer.vocab_size)
     if cfg.model.init_checkpoint:
         # Before DDP and the optimizers exist: their fp32 copies start from these weights.
@@ -157,11 +155,30 @@ def _train(cfg: Config, groups: ParallelGroups) -> dict[str, Any]:
              "total": {k: sum(r.get(k, 0) for r in state_bytes) for k in state_bytes[0]}},
             run_dir / STATE_BYTES_FILE,
         )
+    if cfg.run.save_model:
+        save_model_checkpoint(run_dir, model_chunks=setup.model_chunks, cfg=cfg, groups=groups,
+                              name=MODEL_DIR)
     if cfg.run.save_full_weights:
         weights = gather_full_weights(setup.model_chunks, groups)
         if is_rank0:
             save_tensors_atomically(weights, run_dir / FULL_WEIGHTS_FILE)
     return record
+
+
+def _batch_schedule(cfg: Config, tokenizer: Any) -> LMBatchSchedule | SupervisedBatchSchedule:
+    """Language modelling on the corpus, or supervised prompt -> answer training."""
+    if cfg.data.format == "prompts":
+        return SupervisedBatchSchedule(
+            load_problems(Path(cfg.data.dir) / "train.jsonl"), tokenizer,
+            seq_length=cfg.model.seq_length, global_batch_size=cfg.train.global_batch_size,
+            seed=cfg.train.seed,
+        )
+    return LMBatchSchedule(
+        load_tokens(cfg.data.dir),
+        seq_length=cfg.model.seq_length,
+        global_batch_size=cfg.train.global_batch_size,
+        seed=cfg.train.seed,
+    )
 
 
 def _maybe_resume(cfg: Config, setup: TrainingSetup, groups: ParallelGroups) -> int:
@@ -211,7 +228,7 @@ def _probe_batch(
 def _train_step(
     cfg: Config,
     setup: TrainingSetup,
-    schedule: LMBatchSchedule,
+    schedule: LMBatchSchedule | SupervisedBatchSchedule,
     forward_backward: Any,
     groups: ParallelGroups,
     step: int,
