@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 import warnings
+from typing import Any
 
 from megatron_logra.config import load_config
 
@@ -37,21 +38,46 @@ def _configure_logging() -> None:
 # What `sft` means on top of `train`: supervised prompt -> answer data, and the final weights
 # written as a model-only checkpoint (<run.dir>/model) for an RL run's model.init_checkpoint.
 SFT_DEFAULTS: tuple[str, ...] = ("data.format=prompts", "run.save_model=true")
+# RL trains on prompts; its global batch is rl.prompts_per_step x rl.samples_per_prompt.
+RL_DEFAULTS: tuple[str, ...] = ("data.format=prompts",)
+
+
+def _derive_rl_batch(cfg: Any) -> None:
+    """RL's training batch is the step's rollouts: rl.prompts_per_step x rl.samples_per_prompt
+    (train.global_batch_size is derived from it); generation needs one model chunk per rank."""
+    cfg.train.global_batch_size = cfg.rl.global_batch
+    if cfg.parallel.vpp is not None:
+        raise ValueError(
+            f"parallel.vpp={cfg.parallel.vpp}: the rollout engine runs one model chunk per rank; "
+            "RL supports pipeline parallelism without virtual stages (drop parallel.vpp)"
+        )
 
 
 def _train(args: argparse.Namespace) -> int:
     from megatron_logra.mcore.parallel import world_size_from_env
 
-    overrides = [*SFT_DEFAULTS, *args.overrides] if args.command == "sft" else args.overrides
+    overrides = list(args.overrides)
+    if args.command == "sft":
+        overrides = [*SFT_DEFAULTS, *overrides]
+    elif args.command == "rl":
+        overrides = [*RL_DEFAULTS, *overrides]
     try:
-        cfg = load_config(args.config, overrides).resolved(world_size_from_env())
+        cfg = load_config(args.config, overrides)
+        if args.command == "rl":
+            _derive_rl_batch(cfg)
+        cfg = cfg.resolved(world_size_from_env())
     except ValueError as error:
         print(f"megatron-logra: configuration error: {error}", file=sys.stderr)
         return 2
     from megatron_logra.mcore.trainer import train
 
     try:
-        train(cfg)
+        if args.command == "rl":
+            from megatron_logra.mcore.rl_trainer import rl
+
+            rl(cfg)
+        else:
+            train(cfg)
     except ValueError as error:
         # A user-fixable problem found once the run started (e.g. a checkpoint written with
         # other settings): say what and how to fix it, without a traceback per rank.
@@ -73,6 +99,12 @@ def main(argv: list[str] | None = None) -> int:
     sft_parser.add_argument("config", help="YAML config file")
     sft_parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
     sft_parser.set_defaults(handler=_train)
+    rl_parser = commands.add_parser(
+        "rl", help="RL post-training (paper REINFORCE or GRPO) with LoGRA or a dense optimizer"
+    )
+    rl_parser.add_argument("config", help="YAML config file")
+    rl_parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    rl_parser.set_defaults(handler=_train)
     args = parser.parse_args(argv)
     _configure_logging()
     return args.handler(args)

@@ -353,6 +353,76 @@ class RunConfig:
         _check_choice("run", "wandb", self.wandb, ("off", "offline", "online"))
 
 
+RL_LOSSES: tuple[str, ...] = ("paper", "grpo")
+REWARDS: tuple[str, ...] = ("exact_match", "math_verify")
+
+
+@dataclass(kw_only=True)
+class RLConfig:
+    """Reinforcement learning on prompt/answer data (``megatron-logra rl``)."""
+
+    loss: str = "paper"
+    """``paper``: REINFORCE with a running baseline, failure reward, length weighting and a
+    detached truncated importance weight; ``grpo``: group-normalised advantages over
+    samples_per_prompt responses, clipped ratio, optional k3 reference KL."""
+    prompts_per_step: int = 16
+    """Prompts in each step's global batch."""
+    samples_per_prompt: int = 1
+    """Responses per prompt (a GRPO group); the training batch is prompts x samples."""
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    """Sampling temperature of the rollouts (also the KL controller's)."""
+    top_p: float = 1.0
+    reward: str = "exact_match"
+    """``exact_match`` (the synthetic arithmetic task) or ``math_verify`` (math answers)."""
+    seed: int = 0
+    """Seeds the prompt order and the sampling (counter-based: layout independent)."""
+    failure_reward: float = -0.01
+    running_baseline_weight: float = 0.1
+    response_length_reference: float | None = 1024.0
+    """Paper preset: advantages are weighted by L_ref / L_i (None disables)."""
+    importance_weight_cap: float = 2.0
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    kl_beta: float = 0.0
+    """GRPO: weight of the k3 KL to the initial policy (0: no reference model is kept)."""
+    eval_interval: int = 10
+    """Evaluate on held-out prompts every this many steps (and before and after training)."""
+    eval_prompts: int = 200
+    eval_samples: int = 4
+    """Samples per held-out prompt: pass@1 averages them, pass@k uses all k of them."""
+    eval_temperature: float = 1.0
+    eval_top_p: float = 1.0
+
+    @property
+    def global_batch(self) -> int:
+        return self.prompts_per_step * self.samples_per_prompt
+
+    def validate(self) -> None:
+        s = "rl"
+        _check_choice(s, "loss", self.loss, RL_LOSSES)
+        _check_choice(s, "reward", self.reward, REWARDS)
+        for name in ("prompts_per_step", "samples_per_prompt", "max_new_tokens",
+                     "eval_prompts", "eval_samples"):
+            _check_positive(s, name, getattr(self, name))
+        for name in ("temperature", "eval_temperature", "importance_weight_cap"):
+            _check_positive(s, name, getattr(self, name))
+        _check_positive(s, "eval_interval", self.eval_interval, allow_zero=True)
+        _check_positive(s, "seed", self.seed, allow_zero=True)
+        _check_positive(s, "kl_beta", self.kl_beta, allow_zero=True)
+        for name in ("top_p", "eval_top_p", "running_baseline_weight"):
+            value = getattr(self, name)
+            if not 0.0 < value <= 1.0:
+                raise ValueError(f"rl.{name}={value} must be in (0, 1]")
+        if self.loss == "grpo" and self.samples_per_prompt < 2:
+            raise ValueError(
+                f"rl.loss=grpo normalises rewards within a prompt's responses; "
+                f"rl.samples_per_prompt={self.samples_per_prompt} must be >= 2"
+            )
+        if self.response_length_reference is not None:
+            _check_positive(s, "response_length_reference", self.response_length_reference)
+
+
 @dataclass(kw_only=True)
 class CheckpointConfig:
     """Distributed checkpoints (reshardable across TP/PP/DP layouts, written atomically)."""
@@ -382,6 +452,7 @@ class Config:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     logra: LoGRAConfig = field(default_factory=LoGRAConfig)
     kl_control: KLControlConfig = field(default_factory=KLControlConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     run: RunConfig = field(default_factory=RunConfig)
