@@ -313,14 +313,19 @@ def _rl_forward_step(
                 logprobs, logprobs.detach(), batch.advantages, batch.response_mask,
                 config=GrpoLossConfig(clip_low=r.clip_low, clip_high=r.clip_high,
                                       kl_beta=r.kl_beta),
-                reference_logprobs=batch.reference_logprobs,
+                reference_logprobs_BL=batch.reference_logprobs,
             )
             ratio_sum = loss.metrics["ratio_sum"]
         gap = rollout_mismatch_sums(logprobs.detach(), batch.rollout_logprobs,
                                     batch.response_mask, batch.finished)
+        # The same gap over every generated token (not only completed responses): a direct
+        # check that the sampler and the trainer agree on the policy.
+        every = rollout_mismatch_sums(logprobs.detach(), batch.rollout_logprobs,
+                                      batch.response_mask, torch.ones_like(batch.finished))
         report = torch.stack([
             loss.loss_sum.detach().double(), loss.num_tokens.double(), ratio_sum.double(),
             gap.gap_sum.double(), torch.as_tensor(gap.num_tokens, dtype=torch.float64),
+            every.gap_sum.double(), torch.as_tensor(every.num_tokens, dtype=torch.float64),
         ])
         return loss.loss_sum, loss.num_tokens.to(torch.int), {"rl": report}
 
@@ -391,10 +396,12 @@ def _rl_step(
         model=setup.model_chunks, num_microbatches=len(microbatches),
         seq_length=cfg.model.seq_length, micro_batch_size=mbs, forward_only=False,
     )
-    local = torch.zeros(5, dtype=torch.float64, device=device)
+    local = torch.zeros(7, dtype=torch.float64, device=device)
     for report in reports:
         local += report["rl"].to(device)
-    loss_sum, tokens, ratio_sum, gap_sum, gap_tokens = _replica_sum(local, groups).tolist()
+    loss_sum, tokens, ratio_sum, gap_sum, gap_tokens, all_gap_sum, all_gap_tokens = (
+        _replica_sum(local, groups).tolist()
+    )
     if control is not None:
         if gap_tokens > 0:
             control.observe_mismatch(gap_sum / gap_tokens)
@@ -423,6 +430,7 @@ def _rl_step(
         ("importance_weight_mean" if r.loss == "paper" else "ratio_mean"):
             ratio_sum / max(tokens, 1.0),
         "rollout_trainer_gap": gap_sum / gap_tokens if gap_tokens else None,
+        "logprob_gap_all_tokens": all_gap_sum / max(all_gap_tokens, 1.0),
         **kl_metrics,
         "tokens": generated,
         "step_time_s": elapsed,
