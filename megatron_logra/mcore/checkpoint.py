@@ -122,13 +122,14 @@ def _sharded_state(
     for index, chunk in enumerate(chunks):
         # The GPTModel itself: DDP would prefix every key with "module.".
         state[_model_keys(index, len(chunks))] = unwrap_model(chunk).sharded_state_dict()
-    model_flat: dict[str, Any] = {}
-    for index in range(len(chunks)):
-        model_flat.update(state[_model_keys(index, len(chunks))])
+    # The chunks' state dicts stay nested: their keys are local layer names, which repeat
+    # across virtual stages (Megatron walks nested values to map parameters).
+    model_states = {key: state[key] for key in (_model_keys(i, len(chunks))
+                                                for i in range(len(chunks)))}
     # Megatron's reshardable format for the distributed optimizer (its default format relies on
     # flattened ranges that dist_checkpointing no longer accepts).
     state["optimizer"] = setup.optimizer.sharded_state_dict(
-        model_flat, is_loading=is_loading,
+        model_states, is_loading=is_loading,
         metadata={"distrib_optim_sharding_type": "fully_reshardable"},
     )
     if with_rng:

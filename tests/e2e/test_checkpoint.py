@@ -2,7 +2,8 @@
 
 * resume == uninterrupted: stop after 3 of 6 steps (train.exit_interval), resume, finish: the
   losses and the final weights are bit-identical on CPU in fp32 (DP=2, distributed optimizer);
-* resharded resume: save at TP=2 x PP=2, resume at TP=1 x PP=1 (and the reverse), and with bf16
+* resharded resume: save at TP=2 x PP=2, resume at TP=1 x PP=1; save at PP=2 x VPP=2, resume at
+  TP=2 x PP=2; and with bf16
   sharded masters from DP=2 to TP=2 x PP=2: the uninterrupted run's losses and weights, to the
   tolerance of the arithmetic that changed;
 * a save killed half-way leaves the previous checkpoint as the newest loadable one;
@@ -43,6 +44,7 @@ BASE = [
 ]
 DISTOPT_DP2 = ["optimizer.use_distributed_optimizer=true"]
 TP2_PP2 = ["parallel.tp=2", "parallel.pp=2"]
+PP2_VPP2 = ["parallel.pp=2", "parallel.vpp=2"]
 BF16 = ["model.params_dtype=bf16", "optimizer.lr=0.002"]
 # Resharding changes fp32 reduction order (TP all-reduces, pipeline stages): the layout
 # invariance bounds of test_layout_invariance apply (measured here <= 2.1e-7 weights).
@@ -119,7 +121,10 @@ def test_resume_is_bitwise_equal_to_the_uninterrupted_run(synthetic_data_dir, ro
 
 @pytest.mark.parametrize(
     ("name", "first", "second"),
-    [("tp2pp2_to_tp1", (4, TP2_PP2), (1, [])), ("tp1_to_tp2pp2", (1, []), (4, TP2_PP2))],
+    [("tp2pp2_to_tp1", (4, TP2_PP2), (1, [])),
+     # Virtual stages: every chunk's layers restart at local index 0, so this catches keys
+     # that collide across chunks; loading at TP=2 x PP=2 reshards on the way in.
+     ("pp2vpp2_to_tp2pp2", (2, PP2_VPP2), (4, TP2_PP2))],
 )
 def test_resharded_resume_matches_the_uninterrupted_run(name, first, second,
                                                         synthetic_data_dir, root):
