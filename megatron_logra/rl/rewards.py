@@ -299,8 +299,18 @@ def _math_verify_worker(conn: Connection, parsing_timeout_s: int, verify_timeout
     requests until the parent closes the pipe (or kills the process)."""
     try:
         import math_verify  # noqa: F401  (imported here so start-up failures reach the parent)
+
+        # The first parse imports math-verify's LaTeX grammar and sympy's printers lazily, which
+        # takes seconds on a loaded machine: done here, it counts against startup_timeout_s
+        # instead of firing the first response's parsing timeout.
+        status, correct, detail = _grade_one("\\boxed{1}", "1", parsing_timeout_s=60,
+                                             verify_timeout_s=60)
     except Exception as exc:  # sent to the parent, which raises RuntimeError
         conn.send((_MSG_STARTUP_FAILED, repr(exc)))
+        return
+    if not correct:
+        conn.send((_MSG_STARTUP_FAILED, f"the warm-up grade of \\boxed{{1}} against 1 gave "
+                                        f"status {status!r} {detail}"))
         return
     conn.send((_MSG_READY,))
     while True:
