@@ -68,6 +68,10 @@ class ModelConfig:
     untie_embeddings: bool = True
     init_method_std: float = 0.02
     layernorm_epsilon: float = 1e-5
+    vocab_size: int | None = None
+    """Rows of the word embedding before padding; None takes the tokenizer's vocabulary. Set it
+    to the checkpoint's row count when that exceeds the tokenizer (Qwen2.5: 151936 rows for
+    151665 tokens); ids the tokenizer cannot produce are never sampled."""
     make_vocab_size_divisible_by: int = 128
     """The tokenizer's vocabulary is padded to a multiple of this, independent of TP size, so
     that every parallel layout builds the same model."""
@@ -84,6 +88,8 @@ class ModelConfig:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                      "seq_length", "rotary_base", "make_vocab_size_divisible_by"):
             _check_positive(s, name, getattr(self, name))
+        if self.vocab_size is not None:
+            _check_positive(s, "vocab_size", self.vocab_size)
         _check_positive(s, "init_method_std", self.init_method_std)
         _check_positive(s, "layernorm_epsilon", self.layernorm_epsilon)
         _check_choice(s, "normalization", self.normalization, NORMALIZATIONS)
@@ -322,12 +328,26 @@ class DataConfig:
     format: str = "corpus"
     """``corpus``: language modelling on tokens.npy; ``prompts``: supervised prompt -> answer
     training on train.jsonl (the loss on the answer and EOS only)."""
+    tokenizer: str | None = None
+    """A local Hugging Face tokenizer directory (e.g. the ``tokenizer/`` that
+    ``tools/convert_hf.py to-megatron`` writes) to encode train.jsonl / eval.jsonl with, in place
+    of data.dir's tokenizer.model. Prompt data only: the corpus of ``format: corpus`` is stored
+    already tokenized."""
 
     def validate(self) -> None:
         if not self.dir:
             raise ValueError("data.dir is empty; point it at a directory made by "
                              "tools/make_synthetic_data.py")
         _check_choice("data", "format", self.format, DATA_FORMATS)
+        if self.tokenizer is not None and not self.tokenizer:
+            raise ValueError("data.tokenizer is empty; point it at a Hugging Face tokenizer "
+                             "directory or leave it unset to use data.dir's tokenizer.model")
+        if self.tokenizer is not None and self.format != "prompts":
+            raise ValueError(
+                f"data.tokenizer={self.tokenizer!r} needs data.format=prompts (got "
+                f"{self.format!r}): the corpus is stored already tokenized by data.dir's "
+                "tokenizer; drop data.tokenizer or train on prompt data"
+            )
 
 
 @dataclass(kw_only=True)

@@ -38,8 +38,8 @@ import yaml
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_logra.config import Config
-from megatron_logra.data.dataset_dir import load_tokenizer
 from megatron_logra.data.prompt_data import PromptProblem, load_problems
+from megatron_logra.data.run_tokenizer import embedding_rows, load_run_tokenizer
 from megatron_logra.mcore.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
@@ -155,20 +155,20 @@ def _rl(cfg: Config, groups: ParallelGroups) -> dict[str, Any]:
     r = cfg.rl
     is_rank0 = groups.world_rank == 0
     run_dir = Path(cfg.run.dir)
-    tokenizer = load_tokenizer(cfg.data.dir)
+    tokenizer = load_run_tokenizer(cfg)
     encoder = _Encoder(tokenizer)
     train_problems = load_problems(Path(cfg.data.dir) / "train.jsonl")
     eval_problems = load_problems(Path(cfg.data.dir) / "eval.jsonl")[: r.eval_prompts]
     schedule = PromptSchedule(train_problems, prompts_per_step=r.prompts_per_step,
                               samples_per_prompt=r.samples_per_prompt, seed=r.seed)
-    chunks = build_model_chunks(cfg, groups, vocab_size=tokenizer.vocab_size)
+    chunks = build_model_chunks(cfg, groups, vocab_size=embedding_rows(cfg, tokenizer))
     if cfg.model.init_checkpoint:
         load_model_weights(cfg.model.init_checkpoint, model_chunks=chunks, cfg=cfg,
                            groups=groups, verify=cfg.checkpoint.verify)
     reference = None
     if r.loss == "grpo" and r.kl_beta > 0:
         # A frozen copy of the starting policy for the k3 reference KL.
-        reference = build_model_chunks(cfg, groups, vocab_size=tokenizer.vocab_size)
+        reference = build_model_chunks(cfg, groups, vocab_size=embedding_rows(cfg, tokenizer))
         for ref_chunk, chunk in zip(reference, chunks, strict=True):
             ref_chunk.load_state_dict(chunk.state_dict())
             ref_chunk.requires_grad_(False)

@@ -23,9 +23,10 @@ import yaml
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_logra.config import Config, KLControlConfig
-from megatron_logra.data.dataset_dir import load_tokenizer, load_tokens
+from megatron_logra.data.dataset_dir import load_tokens
 from megatron_logra.data.lm_batches import LMBatchSchedule, Microbatch
 from megatron_logra.data.prompt_data import SupervisedBatchSchedule, load_problems
+from megatron_logra.data.run_tokenizer import embedding_rows, load_run_tokenizer
 from megatron_logra.mcore.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
@@ -103,9 +104,9 @@ def train(cfg: Config) -> dict[str, Any]:
 def _train(cfg: Config, groups: ParallelGroups) -> dict[str, Any]:
     is_rank0 = groups.world_rank == 0
     run_dir = Path(cfg.run.dir)
-    tokenizer = load_tokenizer(cfg.data.dir)
+    tokenizer = load_run_tokenizer(cfg)
     schedule = _batch_schedule(cfg, tokenizer)
-    chunks = build_model_chunks(cfg, groups, vocab_size=tokenizer.vocab_size)
+    chunks = build_model_chunks(cfg, groups, vocab_size=embedding_rows(cfg, tokenizer))
     if cfg.model.init_checkpoint:
         # Before DDP and the optimizers exist: their fp32 copies start from these weights.
         load_model_weights(cfg.model.init_checkpoint, model_chunks=chunks, cfg=cfg,

@@ -193,6 +193,9 @@ def test_num_microbatches_of_unresolved_config_raises_runtime_error():
         (["logra.beta2=1.0"], ["logra.beta2=1.0", "[0, 1)"]),
         (["logra.eps=0"], ["logra.eps=0.0", "> 0"]),
         (["data.dir="], ["data.dir is empty"]),
+        (["data.format=prompts", "data.tokenizer="], ["data.tokenizer is empty"]),
+        (["data.tokenizer=/tok"], ["data.tokenizer='/tok'", "data.format=prompts"]),
+        (["model.vocab_size=0"], ["model.vocab_size=0", "> 0"]),
         (["run.dir="], ["run.dir is empty"]),
         # model shape
         (["model.hidden_size=60", "model.num_attention_heads=8"],
