@@ -79,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     meth.add_argument("--precision", choices=PRECISIONS,
                       help="dense Adam and LoRA (default: bf16 for presets, fp32 for --config)")
     meth.add_argument("--logra-precision", choices=LOGRA_PRECISIONS,
-                      help="default: bf16_sharded_master for presets, fp32 for --config")
+                      help="default: bf16_sharded_master for presets; for --config, "
+                           "bf16_sharded_master when model.params_dtype=bf16, else fp32")
     meth.add_argument("--logra-non-targets", choices=NON_TARGET_TRAINING,
                       help="adam: library mode (default); frozen: the paper's mode")
     meth.add_argument("--sketch-rank", type=int, help="default 256 (--config: logra.sketch_rank)")
@@ -111,7 +112,7 @@ def _config_defaults(args: argparse.Namespace) -> tuple[ModelShape, dict[str, An
     from megatron_logra.config import load_config
 
     cfg = load_config(args.config, args.override)
-    vocab = args.vocab_size
+    vocab = args.vocab_size if args.vocab_size is not None else cfg.model.vocab_size
     if vocab is None:
         meta = Path(cfg.data.dir) / "meta.json"
         if not meta.is_file():
@@ -122,7 +123,8 @@ def _config_defaults(args: argparse.Namespace) -> tuple[ModelShape, dict[str, An
         vocab = int(json.loads(meta.read_text())["vocab_size"])
     shape = shape_from_model_config(cfg.model, vocab_size=vocab, name=Path(args.config).stem)
     layout = {
-        "tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "dp": cfg.parallel.dp,
+        "tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "vpp": cfg.parallel.vpp,
+        "dp": cfg.parallel.dp,
         "micro_batch_size": cfg.train.micro_batch_size, "seq_length": cfg.model.seq_length,
         "sequence_parallel": cfg.parallel.sp,
         # Our trainer does not recompute activations.
@@ -134,8 +136,10 @@ def _config_defaults(args: argparse.Namespace) -> tuple[ModelShape, dict[str, An
         precision=cfg.model.params_dtype,
         lora_rank=cfg.logra.sketch_rank,
         sketch_rank=cfg.logra.sketch_rank,
-        logra_precision="fp32",
-        logra_non_targets="adam",
+        # bf16 parameters train through fp32 masters sharded over DP (logra.master_weights=auto).
+        logra_precision="bf16_sharded_master" if cfg.model.params_dtype == "bf16" else "fp32",
+        # Paper mode freezes everything but the targets.
+        logra_non_targets="frozen" if cfg.logra.mode == "paper" else "adam",
         targets=tuple(cfg.logra.targets),
     )
     return shape, layout, settings
@@ -147,7 +151,7 @@ def resolve(args: argparse.Namespace) -> Request:
         shape, base, settings = _config_defaults(args)
     elif args.preset:
         shape = preset(args.preset)
-        base = {"tp": 1, "pp": 1, "dp": None, "micro_batch_size": 1,
+        base = {"tp": 1, "pp": 1, "vpp": None, "dp": None, "micro_batch_size": 1,
                 "seq_length": DEFAULT_SEQ_LENGTH, "sequence_parallel": None,
                 "recompute": "selective", "global_batch_size": None}
         settings = MethodSettings()
@@ -178,7 +182,7 @@ def resolve(args: argparse.Namespace) -> Request:
     if num_microbatches is None and base["global_batch_size"] is not None and mbs * dp >= 1:
         num_microbatches = max(1, base["global_batch_size"] // (mbs * dp))
     layout = Layout(
-        tp=tp, pp=pp, vpp=args.vpp, dp=dp, micro_batch_size=mbs,
+        tp=tp, pp=pp, vpp=pick(args.vpp, base["vpp"]), dp=dp, micro_batch_size=mbs,
         seq_length=pick(args.seq_length, base["seq_length"]), sequence_parallel=sp,
         recompute=pick(args.recompute, base["recompute"]), num_microbatches=num_microbatches,
     )
