@@ -23,7 +23,7 @@ from megatron_logra.direction import DIRECTIONS
 from megatron_logra.projection import DISTRIBUTIONS
 
 TARGET_NAMES: tuple[str, ...] = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
-OPTIMIZERS: tuple[str, ...] = ("logra", "adam", "sgd")
+OPTIMIZERS: tuple[str, ...] = ("logra", "adam", "sgd", "lora")
 NATIVE_OPTIMIZERS: tuple[str, ...] = ("adam", "sgd")
 LOGRA_MODES: tuple[str, ...] = ("library", "paper")
 UPDATE_FACTOR_DTYPES: tuple[str, ...] = ("bf16", "fp32")
@@ -247,15 +247,38 @@ class LoGRAConfig:
         if not 0.0 <= self.beta2 < 1.0:
             raise ValueError(f"logra.beta2={self.beta2} must be in [0, 1)")
         _check_positive(s, "eps", self.eps)
-        if not self.targets:
-            raise ValueError(f"logra.targets is empty; choose from {list(TARGET_NAMES)}")
-        for name in self.targets:
-            if name not in TARGET_NAMES:
-                raise ValueError(
-                    f"logra.targets contains {name!r}; valid targets are {list(TARGET_NAMES)}"
-                )
-        if len(set(self.targets)) != len(self.targets):
-            raise ValueError(f"logra.targets has duplicates: {self.targets}")
+        _check_targets(s, self.targets)
+
+
+def _check_targets(section: str, targets: list[str]) -> None:
+    if not targets:
+        raise ValueError(f"{section}.targets is empty; choose from {list(TARGET_NAMES)}")
+    for name in targets:
+        if name not in TARGET_NAMES:
+            raise ValueError(
+                f"{section}.targets contains {name!r}; valid targets are {list(TARGET_NAMES)}"
+            )
+    if len(set(targets)) != len(targets):
+        raise ValueError(f"{section}.targets has duplicates: {targets}")
+
+
+@dataclass(kw_only=True)
+class LoRAConfig:
+    """LoRA adapters on the target linears (optimizer.name=lora), trained with Adam under the
+    optimizer section's settings: the memory baseline LoGRA is compared with."""
+
+    rank: int = 16
+    alpha: float = 32.0
+    """The adapter output is scaled by alpha / rank."""
+    seed: int = 0
+    """Seeds the down projections A (B starts at zero), the same at every TP size."""
+    targets: list[str] = field(default_factory=lambda: list(TARGET_NAMES))
+
+    def validate(self) -> None:
+        _check_positive("lora", "rank", self.rank)
+        _check_positive("lora", "alpha", self.alpha)
+        _check_positive("lora", "seed", self.seed, allow_zero=True)
+        _check_targets("lora", self.targets)
 
 
 _KL_DEFAULTS = KLControlSettings()
@@ -471,6 +494,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     logra: LoGRAConfig = field(default_factory=LoGRAConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     kl_control: KLControlConfig = field(default_factory=KLControlConfig)
     rl: RLConfig = field(default_factory=RLConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

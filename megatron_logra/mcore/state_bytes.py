@@ -1,6 +1,6 @@
 """Exact accounting of persistent training state on this rank, by category.
 
-Persistent state is what lives between steps: weights, gradient buffers, optimizer state (moments,
+Persistent state is what lives between steps: weights (LoRA adapters apart), gradient buffers, optimizer state (moments,
 fp32 master copies), and for LoGRA the sketch buffer and the cached projections. Activations are
 not counted here (they are freed by the end of a step).
 
@@ -17,9 +17,12 @@ import torch
 from megatron.core.optimizer.optimizer import ChainedOptimizer, MegatronOptimizer
 
 from megatron_logra.mcore.logra_optimizer import LoGRAOptimizer
+from megatron_logra.mcore.lora import lora_adapters
 from megatron_logra.mcore.training_setup import TrainingSetup
 
-CATEGORIES: tuple[str, ...] = ("weights", "grads", "optimizer_state", "sketches", "projections")
+CATEGORIES: tuple[str, ...] = (
+    "weights", "adapters", "grads", "optimizer_state", "sketches", "projections",
+)
 
 
 class _StorageLedger:
@@ -49,6 +52,8 @@ def persistent_state_bytes(setup: TrainingSetup) -> dict[str, int]:
     """Bytes per category on this rank (call after the first step: Adam allocates lazily)."""
     ledger = _StorageLedger()
     params = [p for chunk in setup.model_chunks for p in chunk.parameters()]
+    # LoRA's trainable adapters, apart from the frozen base weights they sit on.
+    ledger.add("adapters", (p for a in lora_adapters(setup.model_chunks) for p in (a.a, a.b)))
     ledger.add("weights", params)
     for chunk in setup.model_chunks:
         # DistributedDataParallel.buffers is its list of grad buffers (it shadows Module.buffers).

@@ -8,19 +8,16 @@ one line per step and appends the same record to ``<run.dir>/metrics.jsonl``.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import yaml
-from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_logra.config import Config, KLControlConfig
 from megatron_logra.data.dataset_dir import load_tokens
@@ -38,6 +35,7 @@ from megatron_logra.mcore.kl_step_control import KLStepControl, ProbeBatch
 from megatron_logra.mcore.model import build_model_chunks
 from megatron_logra.mcore.parallel import ParallelGroups, destroy_parallel, init_parallel
 from megatron_logra.mcore.state_bytes import persistent_state_bytes
+from megatron_logra.mcore.train_step import train_step
 from megatron_logra.mcore.training_setup import TrainingSetup, setup_training
 from megatron_logra.mcore.weights import gather_full_weights, save_tensors_atomically
 from megatron_logra.metric_sinks import metric_sinks
@@ -51,32 +49,6 @@ STATE_BYTES_FILE = "state_bytes.json"
 FULL_WEIGHTS_FILE = "full_weights.pt"
 RESOLVED_CONFIG_FILE = "config.yaml"
 MODEL_DIR = "model"
-
-
-def _loss_func(
-    loss_mask: torch.Tensor, output_tensor: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """Sum of per-token losses and the token count (Megatron's per-token-loss convention)."""
-    loss_sum = (output_tensor.float() * loss_mask).sum()
-    num_tokens = loss_mask.sum().to(torch.int)
-    report = torch.stack([loss_sum.detach(), num_tokens.detach().float()])
-    return loss_sum, num_tokens, {"lm_loss": report}
-
-
-def _forward_step(data_iterator: Iterator[Microbatch], model: torch.nn.Module) -> tuple[Any, Any]:
-    batch = next(data_iterator)
-    output = model(batch.tokens, batch.position_ids, None, labels=batch.labels)
-    return output, functools.partial(_loss_func, batch.loss_mask)
-
-
-def _global_loss(losses: list[dict[str, torch.Tensor]], groups: ParallelGroups) -> float:
-    """Token-mean loss over the global batch. Only last-stage ranks hold losses; summing
-    (loss_sum, tokens) over the world counts every TP replica equally, so the ratio is exact."""
-    total = torch.zeros(2, dtype=torch.float64, device=groups.device)
-    for record in losses:
-        total += record["lm_loss"].to(torch.float64)
-    dist.all_reduce(total)
-    return float(total[0] / total[1])
 
 
 def _write_json_atomically(data: Any, path: Path) -> None:
@@ -122,7 +94,6 @@ def _train(cfg: Config, groups: ParallelGroups) -> dict[str, Any]:
         run_dir.mkdir(parents=True, exist_ok=True)
         _keep_metrics_up_to(run_dir / METRICS_FILE, start_step)
         (run_dir / RESOLVED_CONFIG_FILE).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    forward_backward = get_forward_backward_func()
     record: dict[str, Any] = {}
     state_bytes: list[dict[str, int]] | None = None
     log = MetricsLog(
@@ -134,7 +105,7 @@ def _train(cfg: Config, groups: ParallelGroups) -> dict[str, Any]:
     ckpt = cfg.checkpoint
     with log, PreemptionFlag() as preemption:
         for step in range(start_step, cfg.train.steps):
-            record = _train_step(cfg, setup, schedule, forward_backward, groups, step, control)
+            record = _train_step(cfg, setup, schedule, groups, step, control)
             if state_bytes is None:
                 state_bytes = _gather_state_bytes(setup, groups)
                 record["state_bytes"] = sum(sum(rank.values()) for rank in state_bytes)
@@ -230,51 +201,31 @@ def _train_step(
     cfg: Config,
     setup: TrainingSetup,
     schedule: LMBatchSchedule | SupervisedBatchSchedule,
-    forward_backward: Any,
     groups: ParallelGroups,
     step: int,
     control: KLStepControl | None = None,
 ) -> dict[str, Any]:
     """One optimizer step (0-based ``step``); returns its metrics record."""
     start = time.perf_counter()
-    for chunk in setup.model_chunks:
-        chunk.zero_grad_buffer()
-    setup.optimizer.zero_grad()
     microbatches = schedule.microbatches(
         step, dp_rank=groups.dp_rank, dp_size=groups.dp_size,
         micro_batch_size=cfg.train.micro_batch_size, device=groups.device,
     )
     lr = float(setup.optimizer.param_groups[0]["lr"])
-    # Every chunk (virtual stage) walks the same microbatches in the schedule's order.
-    iterators = [iter(microbatches) for _ in setup.model_chunks]
-    losses = forward_backward(
-        forward_step_func=_forward_step,
-        data_iterator=iterators if len(iterators) > 1 else iterators[0],
-        model=setup.model_chunks,
-        num_microbatches=len(microbatches),
-        seq_length=cfg.model.seq_length,
-        micro_batch_size=cfg.train.micro_batch_size,
-        forward_only=False,
-    )
     if control is not None:
         control.set_batch(_probe_batch(microbatches, cfg.kl_control, dp_rank=groups.dp_rank))
         if cfg.kl_control.mismatch_input is not None:
             control.observe_mismatch(cfg.kl_control.mismatch_input)
-        success, grad_norm, _ = setup.optimizer.step(control=control)
-    else:
-        success, grad_norm, _ = setup.optimizer.step()
-    if not success:
-        raise RuntimeError(f"optimizer step {step + 1} reported failure")
-    setup.scheduler.step(1)
-    loss = _global_loss(losses, groups)
+    result = train_step(setup, microbatches, groups=groups, seq_length=cfg.model.seq_length,
+                        micro_batch_size=cfg.train.micro_batch_size, control=control)
     if groups.device.type == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     tokens = cfg.train.global_batch_size * cfg.model.seq_length
     record = {
         "step": step + 1,
-        "loss": loss,
-        "grad_norm": float(grad_norm) if grad_norm is not None else None,
+        "loss": result.loss,
+        "grad_norm": result.grad_norm,
         "lr": lr,
         "tokens": tokens,
         "step_time_s": elapsed,

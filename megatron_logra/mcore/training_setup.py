@@ -20,6 +20,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_logra.config import Config
 from megatron_logra.mcore.logra_optimizer import LoGRAChainedOptimizer, LoGRAOptimizer
+from megatron_logra.mcore.lora import attach_lora
 from megatron_logra.mcore.parallel import ParallelGroups
 from megatron_logra.mcore.sharding import unwrap_model
 from megatron_logra.mcore.targets import find_targets
@@ -36,7 +37,8 @@ class TrainingSetup:
 def megatron_optimizer_config(cfg: Config) -> MegatronOptimizerConfig:
     """Our optimizer section mapped onto Megatron's (for the native part under LoGRA too)."""
     o = cfg.optimizer
-    kind = cfg.logra.native_optimizer if o.name == "logra" else o.name
+    # LoGRA's native part runs its configured optimizer; LoRA adapters train with Adam.
+    kind = {"logra": cfg.logra.native_optimizer, "lora": "adam"}.get(o.name, o.name)
     return MegatronOptimizerConfig(
         optimizer=kind,
         lr=o.lr,
@@ -98,6 +100,11 @@ def setup_training(
     """DDP + optimizer (+ LoGRA chain) + scheduler for ``cfg.optimizer.name``."""
     o = cfg.optimizer
     targets = []
+    if o.name == "lora":
+        # Freezes the base model: DDP then gives grad-buffer slots (and the optimizer state)
+        # to the adapters only.
+        attach_lora(model_chunks, cfg.lora.targets, lora_rank=cfg.lora.rank,
+                    alpha=cfg.lora.alpha, groups=groups, seed=cfg.lora.seed)
     if o.name == "logra":
         targets = find_targets(model_chunks, cfg.logra.targets, tp_rank=groups.tp_rank)
         for target in targets:

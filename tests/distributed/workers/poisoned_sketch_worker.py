@@ -27,7 +27,7 @@ from megatron_logra.data.lm_batches import LMBatchSchedule  # noqa: E402
 from megatron_logra.mcore.kl_step_control import KLStepControl, ProbeBatch  # noqa: E402
 from megatron_logra.mcore.model import build_model_chunks  # noqa: E402
 from megatron_logra.mcore.parallel import init_parallel  # noqa: E402
-from megatron_logra.mcore.trainer import _forward_step  # noqa: E402
+from megatron_logra.mcore.train_step import _forward_step  # noqa: E402
 from megatron_logra.mcore.training_setup import setup_training  # noqa: E402
 
 
