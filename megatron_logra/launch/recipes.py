@@ -94,6 +94,7 @@ def logra_rl_recipe(
     knobs = {
         "optimizer.name": "logra",
         "logra.mode": "paper",
+        "logra.kl_control": True,
         "logra.sketch_rank": sketch_rank,
         "logra.update_ratio": update_ratio,
         "kl_control.kl_budget": kl_budget,
