@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_logra.data.synthetic import generate_problems
+from megatron_logra.data.synthetic import OPERATIONS, check_operations, generate_problems
 from megatron_logra.data.tokenizer import SentencePieceTokenizer, train_sentencepiece
 
 TOKENIZER_FILE = "tokenizer.model"
@@ -36,6 +36,15 @@ class SyntheticDataSpec:
     seed: int = 0
     vocab_size: int = 96
     max_digits: int = 3
+    min_digits: int = 1
+    operations: tuple[str, ...] = OPERATIONS
+    zero_pad: bool = False
+    """Operands written with exactly max_digits digits (leading zeros)."""
+
+    def problem_options(self) -> dict:
+        """The generate_problems keyword arguments this spec fixes (besides count and split)."""
+        return {"seed": self.seed, "max_digits": self.max_digits, "min_digits": self.min_digits,
+                "operations": check_operations(self.operations), "zero_pad": self.zero_pad}
 
 
 def write_synthetic_dataset(out_dir: str | Path, spec: SyntheticDataSpec) -> Path:
@@ -44,12 +53,8 @@ def write_synthetic_dataset(out_dir: str | Path, spec: SyntheticDataSpec) -> Pat
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        train = generate_problems(
-            spec.num_train, seed=spec.seed, split="train", max_digits=spec.max_digits
-        )
-        held_out = generate_problems(
-            spec.num_eval, seed=spec.seed, split="eval", max_digits=spec.max_digits
-        )
+        train = generate_problems(spec.num_train, split="train", **spec.problem_options())
+        held_out = generate_problems(spec.num_eval, split="eval", **spec.problem_options())
         lines = [problem.as_text() for problem in train]
         (staging / "corpus.txt").write_text("\n".join(lines) + "\n")
         for name, problems in (("train.jsonl", train), ("eval.jsonl", held_out)):

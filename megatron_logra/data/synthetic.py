@@ -3,8 +3,13 @@
 Problems look like ``What is 347 plus 128?`` with the answer ``475``. They serve three purposes:
 a language-modelling corpus (prompt and answer on one line), a supervised warm-start set, and RL
 prompts whose answers are checked by exact match. Train and held-out eval problems are disjoint
-by construction: a problem belongs to the eval split iff a hash of its canonical form says so,
-whatever seed or count generated it.
+by construction: a problem belongs to the eval split iff a hash of its canonical form (operands
+and operation) says so, whatever seed, count, digit range or formatting generated it.
+
+The family is tuned by a few knobs: which operations appear, how many digits each operand has
+(the digit count is drawn first, uniformly in ``min_digits..max_digits``, then the value), and
+whether operands are written zero-padded to ``max_digits`` digits (``What is 047 plus 128?``),
+which aligns the digit columns. Answers are always written plainly (``175``).
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ TEMPLATES: tuple[str, ...] = (
 )
 # One problem in EVAL_EVERY (by canonical hash) is held out for evaluation.
 EVAL_EVERY = 8
+# Operands are plain ints formatted in decimal; more digits than this stop being "a few digits".
+MAX_DIGITS = 9
 
 
 @dataclass(frozen=True)
@@ -42,30 +49,49 @@ def _solve(a: int, op: str, b: int) -> int:
     return a + b if op == "plus" else a - b
 
 
+def check_operations(operations: tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """The operations as a tuple, after checking them (non-empty, known, no duplicates)."""
+    ops = tuple(operations)
+    if not ops or any(op not in OPERATIONS for op in ops) or len(set(ops)) != len(ops):
+        raise ValueError(
+            f"operations={list(ops)} is not valid; give one or more distinct names of "
+            f"{list(OPERATIONS)}"
+        )
+    return ops
+
+
 def generate_problems(
-    count: int, *, seed: int, split: str, max_digits: int = 3, min_digits: int = 1
+    count: int, *, seed: int, split: str, max_digits: int = 3, min_digits: int = 1,
+    operations: tuple[str, ...] = OPERATIONS, zero_pad: bool = False,
 ) -> list[Problem]:
     """``count`` problems of one split, the same list for the same arguments on any machine.
 
-    Operands have ``min_digits``..``max_digits`` digits; subtraction never goes negative.
+    Operands have ``min_digits``..``max_digits`` digits; subtraction never goes negative; each
+    problem's operation is drawn uniformly from ``operations``. With ``zero_pad`` the operands
+    are written with exactly ``max_digits`` digits.
     """
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
-    if not 1 <= min_digits <= max_digits <= 9:
-        raise ValueError(f"need 1 <= min_digits <= max_digits <= 9, got {min_digits}, {max_digits}")
+    if not 1 <= min_digits <= max_digits <= MAX_DIGITS:
+        raise ValueError(
+            f"need 1 <= min_digits <= max_digits <= {MAX_DIGITS}, got {min_digits}, {max_digits}"
+        )
+    ops = check_operations(operations)
     rng = random.Random(f"megatron_logra.synthetic|{seed}|{split}")
     want_eval = split == "eval"
+    width = max_digits if zero_pad else 0
     problems: list[Problem] = []
     while len(problems) < count:
         digits_a = rng.randint(min_digits, max_digits)
         digits_b = rng.randint(min_digits, max_digits)
         a = rng.randint(10 ** (digits_a - 1) if digits_a > 1 else 0, 10**digits_a - 1)
         b = rng.randint(10 ** (digits_b - 1) if digits_b > 1 else 0, 10**digits_b - 1)
-        op = rng.choice(OPERATIONS)
+        op = rng.choice(ops)
         if op == "minus" and b > a:
             a, b = b, a
         if _is_eval(a, op, b) != want_eval:
             continue
         template = rng.choice(TEMPLATES)
-        problems.append(Problem(template.format(a=a, op=op, b=b), str(_solve(a, op, b))))
+        prompt = template.format(a=f"{a:0{width}d}", op=op, b=f"{b:0{width}d}")
+        problems.append(Problem(prompt, str(_solve(a, op, b))))
     return problems

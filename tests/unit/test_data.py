@@ -69,6 +69,25 @@ def test_operands_respect_digit_bounds():
         assert 10 <= a <= 9999 and 10 <= b <= 9999
 
 
+def test_operations_subset_yields_only_those_operations():
+    ops = {_canonical(p)[1] for p in generate_problems(500, seed=1, split="train",
+                                                        operations=("minus",))}
+    assert ops == {"minus"}
+
+
+def test_zero_pad_writes_fixed_width_operands_and_keeps_the_split_of_the_problem():
+    padded = generate_problems(1000, seed=7, split="eval", max_digits=3, zero_pad=True)
+    for problem in padded:
+        operands = re.findall(r"\d+", problem.prompt)
+        assert [len(x) for x in operands] == [3, 3], problem.prompt
+        assert problem.answer == str(int(problem.answer))
+    # The split is decided by the canonical problem, not its formatting: no padded held-out
+    # problem is a training problem of any formatting.
+    train = {_canonical(p) for pad in (False, True)
+             for p in generate_problems(5000, seed=7, split="train", zero_pad=pad)}
+    assert train.isdisjoint(_canonical(p) for p in padded)
+
+
 def test_as_text_is_prompt_space_answer():
     problem = generate_problems(1, seed=0, split="train")[0]
     assert problem.as_text() == f"{problem.prompt} {problem.answer}"
@@ -77,9 +96,11 @@ def test_as_text_is_prompt_space_answer():
 @pytest.mark.parametrize(
     "kwargs, fragment",
     [({"split": "test"}, "'test'"), ({"split": "train", "max_digits": 10}, "10"),
-     ({"split": "train", "min_digits": 3, "max_digits": 2}, "3, 2")],
+     ({"split": "train", "min_digits": 3, "max_digits": 2}, "3, 2"),
+     ({"split": "train", "operations": ("plus", "times")}, "operations=['plus', 'times']"),
+     ({"split": "train", "operations": ()}, "operations=[]")],
 )
-def test_bad_split_or_digit_range_raises_value_error(kwargs, fragment):
+def test_bad_split_digit_range_or_operations_raises_value_error(kwargs, fragment):
     with pytest.raises(ValueError, match=re.escape(fragment)):
         generate_problems(1, seed=0, **kwargs)
 
