@@ -16,7 +16,8 @@ One step, on every rank:
    realised KL is measured.
 
 Held-out evaluation (pass@1 and pass@k over ``rl.eval_samples`` samples, and greedy accuracy)
-runs before training, every ``rl.eval_interval`` steps and at the end. Rank 0 prints one line per
+runs before training, every ``rl.eval_interval`` steps and at the end; each evaluation's
+per-problem answers go to ``<run.dir>/eval/step_NNNNNN.jsonl``. Rank 0 prints one line per
 step and writes metrics.jsonl; checkpoints hold the RL state (running baseline) too; PNG plots of
 the curves are written at the end.
 """
@@ -51,8 +52,14 @@ from megatron_logra.mcore.kl_step_control import KLStepControl, ProbeBatch
 from megatron_logra.mcore.megatron_sampler import MegatronSampler
 from megatron_logra.mcore.model import build_model_chunks
 from megatron_logra.mcore.parallel import ParallelGroups, destroy_parallel, init_parallel
+from megatron_logra.mcore.state_bytes import gather_state_bytes, write_state_bytes
 from megatron_logra.mcore.token_logprobs import compute_token_logprobs, token_logprobs_from_logits
-from megatron_logra.mcore.trainer import MODEL_DIR, RESOLVED_CONFIG_FILE, _keep_metrics_up_to
+from megatron_logra.mcore.trainer import (
+    MODEL_DIR,
+    RESOLVED_CONFIG_FILE,
+    STATE_BYTES_FILE,
+    _keep_metrics_up_to,
+)
 from megatron_logra.mcore.training_setup import TrainingSetup, setup_training
 from megatron_logra.metric_sinks import metric_sinks
 from megatron_logra.metrics import MetricsLog, peak_rss_bytes
@@ -64,6 +71,7 @@ from megatron_logra.rl.advantages import (
     RunningBaselineAdvantage,
     group_normalized_advantages,
 )
+from megatron_logra.rl.eval_answers import EvalAnswer, eval_answers_path, write_eval_answers
 from megatron_logra.rl.losses import (
     GrpoLossConfig,
     PaperLossConfig,
@@ -204,24 +212,34 @@ def _rl(cfg: Config, groups: ParallelGroups) -> dict[str, Any]:
     log = MetricsLog(run_dir / METRICS_FILE if is_rank0 else None, total_steps=cfg.train.steps,
                      console=sys.stdout if is_rank0 else None,
                      sinks=metric_sinks(cfg) if is_rank0 else ())
-    evaluate = functools.partial(_evaluate, cfg=cfg, sampler=sampler, encoder=encoder,
-                                 reward=reward, problems=eval_problems, groups=groups)
+    def evaluate(step: int) -> dict[str, float]:
+        metrics, answers = _evaluate(cfg=cfg, sampler=sampler, encoder=encoder, reward=reward,
+                                     problems=eval_problems, groups=groups)
+        if is_rank0:
+            write_eval_answers(answers, eval_answers_path(run_dir, step))
+        return metrics
+
     record: dict[str, Any] = {}
+    state_bytes: list[dict[str, int]] | None = None
     ckpt = cfg.checkpoint
     try:
         with log, PreemptionFlag() as preemption:
             if start_step == 0:
-                initial = {"step": 0, **evaluate()}
+                initial = {"step": 0, **evaluate(0)}
                 if is_rank0:
                     log.log(initial)
             for step in range(start_step, cfg.train.steps):
                 record = _rl_step(cfg, setup, sampler, encoder, reward, schedule, estimator,
                                   control, reference, groups, step)
+                if state_bytes is None:
+                    # After the first step: Adam allocates its moments lazily.
+                    state_bytes = gather_state_bytes(setup, groups)
+                    record["state_bytes"] = sum(sum(rank.values()) for rank in state_bytes)
                 completed = step + 1
                 if completed == cfg.train.steps or (
                     r.eval_interval and completed % r.eval_interval == 0
                 ):
-                    record.update(evaluate())
+                    record.update(evaluate(completed))
                 if is_rank0:
                     log.log(record)
                 preempted = preemption.agreed(groups.device)
@@ -239,6 +257,8 @@ def _rl(cfg: Config, groups: ParallelGroups) -> dict[str, Any]:
                     break
     finally:
         reward.close()
+    if is_rank0 and state_bytes is not None:
+        write_state_bytes(state_bytes, cfg.optimizer.name, run_dir / STATE_BYTES_FILE)
     if cfg.run.save_model:
         save_model_checkpoint(run_dir, model_chunks=setup.model_chunks, cfg=cfg, groups=groups,
                               name=MODEL_DIR)
@@ -463,30 +483,42 @@ def _step_seed(seed: int, step: int) -> int:
 def _evaluate(
     *, cfg: Config, sampler: MegatronSampler, encoder: _Encoder, reward: Any,
     problems: list[PromptProblem], groups: ParallelGroups,
-) -> dict[str, float]:
-    """Held-out pass@1 / pass@k (k = rl.eval_samples, unbiased estimator) and greedy accuracy."""
+) -> tuple[dict[str, float], list[EvalAnswer]]:
+    """Held-out pass@1 / pass@k (k = rl.eval_samples, unbiased estimator) and greedy accuracy,
+    and the per-problem answers behind them (the same list on every rank)."""
     k, eos_id = cfg.rl.eval_samples, encoder.tokenizer.eos_id
     repeated = [problem for problem in problems for _ in range(k)]
-    sampled = _score(sampler.generate(encoder.prompt_ids(repeated),
-                                      _sampling(cfg, eos_id, evaluation=True), seed=EVAL_SEED),
-                     repeated, encoder, reward, groups)
-    greedy = _score(sampler.generate(encoder.prompt_ids(problems),
-                                     _sampling(cfg, eos_id, evaluation=True, greedy=True),
-                                     seed=EVAL_SEED),
-                    problems, encoder, reward, groups)
+    sampled, _ = _score(sampler.generate(encoder.prompt_ids(repeated),
+                                         _sampling(cfg, eos_id, evaluation=True), seed=EVAL_SEED),
+                        repeated, encoder, reward, groups)
+    greedy, greedy_texts = _score(
+        sampler.generate(encoder.prompt_ids(problems),
+                         _sampling(cfg, eos_id, evaluation=True, greedy=True), seed=EVAL_SEED),
+        problems, encoder, reward, groups,
+    )
     per_problem = [sum(sampled[i * k : (i + 1) * k]) for i in range(len(problems))]
-    return {
+    metrics = {
         "eval_pass@1": mean_pass_at_k(k, per_problem, 1),
         "eval_pass@k": mean_pass_at_k(k, per_problem, k),
         "eval_k": k,
         "eval_greedy": sum(greedy) / len(greedy),
+        "eval_problems": len(problems),
     }
+    answers = [
+        EvalAnswer(prompt=p.prompt, answer=p.answer, greedy=text, greedy_correct=bool(right),
+                   samples_correct=int(n))
+        for p, text, right, n in zip(problems, greedy_texts, greedy, per_problem, strict=True)
+    ]
+    return metrics, answers
 
 
 def _score(rollout: RolloutBatch, problems: list[PromptProblem], encoder: _Encoder,
-           reward: Any, groups: ParallelGroups) -> list[bool]:
+           reward: Any, groups: ParallelGroups) -> tuple[list[bool], list[str]]:
+    """Correctness and response text of every problem, gathered over DP (global order)."""
     share = data_parallel_share(len(problems), groups.dp_rank, groups.dp_size)
-    result = reward.score(encoder.response_texts(rollout), [problems[i].answer for i in share])
-    return _gather_dp(list(result.correct), groups)
+    texts = encoder.response_texts(rollout)
+    result = reward.score(texts, [problems[i].answer for i in share])
+    gathered = _gather_dp(list(zip(result.correct, texts, strict=True)), groups)
+    return [bool(right) for right, _ in gathered], [text for _, text in gathered]
 
 

@@ -11,13 +11,17 @@ distributed-optimizer "master" that is a view of the parameter buffer is not cou
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from megatron.core.optimizer.optimizer import ChainedOptimizer, MegatronOptimizer
 
 from megatron_logra.mcore.logra_optimizer import LoGRAOptimizer
 from megatron_logra.mcore.lora import lora_adapters
+from megatron_logra.mcore.parallel import ParallelGroups
 from megatron_logra.mcore.training_setup import TrainingSetup
 
 CATEGORIES: tuple[str, ...] = (
@@ -81,3 +85,19 @@ def persistent_state_bytes(setup: TrainingSetup) -> dict[str, int]:
         for state in inner.state.values():
             ledger.add("optimizer_state", (v for v in state.values() if torch.is_tensor(v)))
     return dict(ledger.totals)
+
+
+def gather_state_bytes(setup: TrainingSetup, groups: ParallelGroups) -> list[dict[str, int]]:
+    """Every rank's :func:`persistent_state_bytes`, in world-rank order (collective)."""
+    everyone: list[dict[str, int] | None] = [None] * groups.world_size
+    dist.all_gather_object(everyone, persistent_state_bytes(setup))
+    return [entry or {} for entry in everyone]
+
+
+def write_state_bytes(per_rank: list[dict[str, int]], method: str, path: Path) -> None:
+    """The per-rank accounting and its sum over ranks as JSON, replaced atomically."""
+    data = {"method": method, "per_rank": per_rank,
+            "total": {k: sum(r.get(k, 0) for r in per_rank) for k in per_rank[0]}}
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.replace(path)

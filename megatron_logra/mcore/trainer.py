@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import yaml
 
 from megatron_logra.config import Config, KLControlConfig
@@ -34,7 +33,7 @@ from megatron_logra.mcore.checkpoint import (
 from megatron_logra.mcore.kl_step_control import KLStepControl, ProbeBatch
 from megatron_logra.mcore.model import build_model_chunks
 from megatron_logra.mcore.parallel import ParallelGroups, destroy_parallel, init_parallel
-from megatron_logra.mcore.state_bytes import persistent_state_bytes
+from megatron_logra.mcore.state_bytes import gather_state_bytes, write_state_bytes
 from megatron_logra.mcore.train_step import train_step
 from megatron_logra.mcore.training_setup import TrainingSetup, setup_training
 from megatron_logra.mcore.weights import gather_full_weights, save_tensors_atomically
@@ -49,19 +48,6 @@ STATE_BYTES_FILE = "state_bytes.json"
 FULL_WEIGHTS_FILE = "full_weights.pt"
 RESOLVED_CONFIG_FILE = "config.yaml"
 MODEL_DIR = "model"
-
-
-def _write_json_atomically(data: Any, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    tmp.replace(path)
-
-
-def _gather_state_bytes(setup: TrainingSetup, groups: ParallelGroups) -> list[dict[str, int]]:
-    mine = persistent_state_bytes(setup)
-    everyone: list[dict[str, int] | None] = [None] * groups.world_size
-    dist.all_gather_object(everyone, mine)
-    return [entry or {} for entry in everyone]
 
 
 def train(cfg: Config) -> dict[str, Any]:
@@ -107,7 +93,7 @@ def _train(cfg: Config, groups: ParallelGroups) -> dict[str, Any]:
         for step in range(start_step, cfg.train.steps):
             record = _train_step(cfg, setup, schedule, groups, step, control)
             if state_bytes is None:
-                state_bytes = _gather_state_bytes(setup, groups)
+                state_bytes = gather_state_bytes(setup, groups)
                 record["state_bytes"] = sum(sum(rank.values()) for rank in state_bytes)
             if is_rank0:
                 log.log(record)
@@ -122,11 +108,7 @@ def _train(cfg: Config, groups: ParallelGroups) -> dict[str, Any]:
                                "SIGTERM" if preempted else "train.exit_interval")
                 break
     if is_rank0 and state_bytes is not None:
-        _write_json_atomically(
-            {"method": cfg.optimizer.name, "per_rank": state_bytes,
-             "total": {k: sum(r.get(k, 0) for r in state_bytes) for k in state_bytes[0]}},
-            run_dir / STATE_BYTES_FILE,
-        )
+        write_state_bytes(state_bytes, cfg.optimizer.name, run_dir / STATE_BYTES_FILE)
     if cfg.run.save_model:
         save_model_checkpoint(run_dir, model_chunks=setup.model_chunks, cfg=cfg, groups=groups,
                               name=MODEL_DIR)

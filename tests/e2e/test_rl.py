@@ -1,6 +1,7 @@
 """RL post-training through the real CLI over gloo (issue [rl] item 8).
 
-* a short run logs every per-step and evaluation field, with values in range, and leaves plots;
+* a short run logs every per-step and evaluation field, with values in range, per-problem
+  evaluation answers that agree with them, and plots;
 * the samples, rewards, losses and the KL controller's decisions do not depend on the layout
   (TP=2 with SP, DP=2 and PP=2 against TP=1): sampling is counter based per global sequence;
 * GRPO with a reference KL runs on-policy (the clipped ratio is exactly 1);
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from megatron_logra.metrics import read_metrics
+from megatron_logra.rl.eval_answers import eval_answers_path, read_eval_answers
 from tests.torchrun import REPO, run_torchrun
 
 pytestmark = pytest.mark.distributed
@@ -82,6 +84,12 @@ def test_rl_run_logs_every_metric_field_and_writes_plots(synthetic_data_dir, roo
             assert 0.0 <= record[field] <= 1.0, (field, record[field])
         # pass@k over k samples is never below pass@1.
         assert record["eval_pass@k"] >= record["eval_pass@1"]
+        # The per-problem answers file agrees with the aggregate metrics it stands behind.
+        answers = read_eval_answers(eval_answers_path(run, record["step"]))
+        assert len(answers) == record["eval_problems"] == 8
+        assert sum(a.greedy_correct for a in answers) / len(answers) == record["eval_greedy"]
+        solved = sum(a.samples_correct > 0 for a in answers) / len(answers)
+        assert solved == record["eval_pass@k"]
     for name in ("reward.png", "eval.png", "kl.png", "alpha.png"):
         assert (run / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -103,6 +111,11 @@ def test_rl_samples_rewards_and_updates_are_layout_invariant(layout, nproc, over
         if got["step"]:
             assert abs(got["loss"] - want["loss"]) <= LOSS_REL_TOL * abs(want["loss"])
             assert abs(got["alpha"] - want["alpha"]) <= ALPHA_REL_TOL * want["alpha"]
+        if "eval_greedy" in want:
+            # Gathered over DP in global problem order: the same answers, problem by problem.
+            step = want["step"]
+            assert read_eval_answers(eval_answers_path(_runs[layout], step)) == \
+                read_eval_answers(eval_answers_path(_runs["tp1"], step)), (layout, step)
 
 
 def test_grpo_with_reference_kl_is_on_policy(synthetic_data_dir, root):
