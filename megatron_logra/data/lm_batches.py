@@ -1,11 +1,7 @@
 """Language-modelling batches that do not depend on the parallel layout.
 
 The token stream is cut into non-overlapping windows of ``seq_length + 1`` tokens (inputs and
-shifted labels). Step ``k`` trains on global samples ``k*G .. (k+1)*G - 1`` of an endless sequence
-of epochs, each a seeded permutation of the windows. Data-parallel rank ``d`` of ``D`` takes the
-``d``-th contiguous ``G/D`` of them and splits it into microbatches. The union over ranks and
-microbatches is the same global batch for every (dp, micro_batch_size) split, which is what makes
-DP=2 and two microbatches comparable with DP=1 and one.
+shifted labels); which windows a step and a data-parallel rank use is :class:`SampleOrder`'s.
 """
 
 from __future__ import annotations
@@ -14,6 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from megatron_logra.data.sample_order import SampleOrder
 
 
 @dataclass(frozen=True)
@@ -35,7 +33,6 @@ class LMBatchSchedule:
         self.tokens = tokens
         self.seq_length = seq_length
         self.global_batch_size = global_batch_size
-        self.seed = seed
         self.num_samples = (len(tokens) - 1) // seq_length
         if self.num_samples < global_batch_size:
             raise ValueError(
@@ -43,19 +40,10 @@ class LMBatchSchedule:
                 f"seq_length {seq_length}, fewer than one global batch of {global_batch_size}; "
                 "make a larger dataset or lower train.global_batch_size"
             )
-        self._epoch_order: dict[int, np.ndarray] = {}
-
-    def _order(self, epoch: int) -> np.ndarray:
-        if epoch not in self._epoch_order:
-            rng = np.random.default_rng([self.seed, epoch])
-            self._epoch_order = {epoch: rng.permutation(self.num_samples)}
-        return self._epoch_order[epoch]
+        self.order = SampleOrder(self.num_samples, global_batch_size=global_batch_size, seed=seed)
 
     def global_batch_indices(self, step: int) -> np.ndarray:
-        """Sample indices of step ``step`` (0-based), the same for every layout."""
-        flat = np.arange(step * self.global_batch_size, (step + 1) * self.global_batch_size)
-        epochs, offsets = np.divmod(flat, self.num_samples)
-        return np.array([self._order(int(e))[int(o)] for e, o in zip(epochs, offsets, strict=True)])
+        return self.order.global_batch_indices(step)
 
     def sample(self, index: int) -> np.ndarray:
         start = int(index) * self.seq_length
@@ -66,16 +54,11 @@ class LMBatchSchedule:
         device: torch.device | str = "cpu",
     ) -> list[Microbatch]:
         """This data-parallel rank's microbatches of step ``step``, in order."""
-        per_rank = self.global_batch_size // dp_size
-        if per_rank * dp_size != self.global_batch_size or per_rank % micro_batch_size:
-            raise ValueError(
-                f"global batch {self.global_batch_size} does not split into dp={dp_size} "
-                f"ranks of microbatches of {micro_batch_size}"
-            )
-        mine = self.global_batch_indices(step)[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+        mine = self.order.rank_indices(step, dp_rank=dp_rank, dp_size=dp_size,
+                                       micro_batch_size=micro_batch_size)
         positions = torch.arange(self.seq_length, dtype=torch.int64, device=device)
         out: list[Microbatch] = []
-        for start in range(0, per_rank, micro_batch_size):
+        for start in range(0, len(mine), micro_batch_size):
             windows = np.stack([self.sample(i) for i in mine[start : start + micro_batch_size]])
             window = torch.from_numpy(windows).to(device)
             out.append(

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from megatron_logra.data.lm_batches import Microbatch
+from megatron_logra.data.sample_order import SampleOrder
 
 
 @dataclass(frozen=True)
@@ -75,8 +76,8 @@ def supervised_tokens(problem: PromptProblem, tokenizer: TextTokenizer) -> tuple
 
 
 class SupervisedBatchSchedule:
-    """Layout-independent supervised batches over a problem list (as LMBatchSchedule does for
-    a corpus: step k uses global samples k*G .. (k+1)*G-1 of seeded epoch permutations)."""
+    """Layout-independent supervised batches over a problem list (which problems a step and a
+    data-parallel rank use is :class:`SampleOrder`'s, as for LMBatchSchedule)."""
 
     def __init__(
         self, problems: list[PromptProblem], tokenizer: TextTokenizer, *, seq_length: int,
@@ -89,7 +90,6 @@ class SupervisedBatchSchedule:
             )
         self.seq_length = seq_length
         self.global_batch_size = global_batch_size
-        self.seed = seed
         self.pad_id = tokenizer.pad_id
         self.samples = []
         for problem in problems:
@@ -102,29 +102,20 @@ class SupervisedBatchSchedule:
                 )
             self.samples.append((ids, prompt_len))
         self.num_samples = len(self.samples)
+        self.order = SampleOrder(self.num_samples, global_batch_size=global_batch_size, seed=seed)
 
     def global_batch_indices(self, step: int) -> np.ndarray:
-        flat = np.arange(step * self.global_batch_size, (step + 1) * self.global_batch_size)
-        epochs, offsets = np.divmod(flat, self.num_samples)
-        return np.array([
-            np.random.default_rng([self.seed, int(e)]).permutation(self.num_samples)[int(o)]
-            for e, o in zip(epochs, offsets, strict=True)
-        ])
+        return self.order.global_batch_indices(step)
 
     def microbatches(
         self, step: int, *, dp_rank: int, dp_size: int, micro_batch_size: int,
         device: torch.device | str = "cpu",
     ) -> list[Microbatch]:
-        per_rank = self.global_batch_size // dp_size
-        if per_rank * dp_size != self.global_batch_size or per_rank % micro_batch_size:
-            raise ValueError(
-                f"global batch {self.global_batch_size} does not split into dp={dp_size} "
-                f"ranks of microbatches of {micro_batch_size}"
-            )
-        mine = self.global_batch_indices(step)[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+        mine = self.order.rank_indices(step, dp_rank=dp_rank, dp_size=dp_size,
+                                       micro_batch_size=micro_batch_size)
         width = self.seq_length + 1
         out = []
-        for start in range(0, per_rank, micro_batch_size):
+        for start in range(0, len(mine), micro_batch_size):
             rows = mine[start : start + micro_batch_size]
             window = torch.full((len(rows), width), self.pad_id, dtype=torch.int64)
             mask = torch.zeros(len(rows), self.seq_length, dtype=torch.float32)
