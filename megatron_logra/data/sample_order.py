@@ -13,16 +13,20 @@ import numpy as np
 
 
 class SampleOrder:
-    def __init__(self, num_samples: int, *, global_batch_size: int, seed: int) -> None:
+    def __init__(
+        self, num_samples: int, *, global_batch_size: int, seed: int, stream: tuple[int, ...] = ()
+    ) -> None:
         self.num_samples = num_samples
         self.global_batch_size = global_batch_size
-        self.seed = seed
+        # The permutations are drawn from (seed, *stream, epoch): a consumer with its own stream
+        # (the RL prompt order) does not walk the data in the supervised order.
+        self.seed_key = (seed, *stream)
         self._epoch_order: dict[int, np.ndarray] = {}
 
     def _order(self, epoch: int) -> np.ndarray:
         # One epoch cached: consecutive steps almost always fall in the same one.
         if epoch not in self._epoch_order:
-            rng = np.random.default_rng([self.seed, epoch])
+            rng = np.random.default_rng([*self.seed_key, epoch])
             self._epoch_order = {epoch: rng.permutation(self.num_samples)}
         return self._epoch_order[epoch]
 
