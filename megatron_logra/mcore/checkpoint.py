@@ -217,13 +217,6 @@ def save_checkpoint(
 ) -> Path:
     """Write a checkpoint of the state after ``step`` completed steps; collective."""
     root = Path(root)
-    final = root / checkpoint_name(step)
-    staging_name = [f"{STAGING_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"]
-    dist.broadcast_object_list(staging_name, src=0)
-    staging = root / staging_name[0]
-    if groups.world_rank == 0:
-        staging.mkdir(parents=True, exist_ok=False)
-    dist.barrier()
     state = _sharded_state(setup, groups, is_loading=False, with_rng=True)
     state["common"] = {
         "format_version": FORMAT_VERSION,
@@ -233,9 +226,36 @@ def save_checkpoint(
         "layout": _layout(groups),
         **(extra_common or {}),
     }
+    final = _save_atomically(root, checkpoint_name(step), state, groups,
+                             header={"step": step}, kill_hook_step=step)
+    if groups.world_rank == 0:
+        latest_tmp = root / f".{LATEST_FILE}.tmp"
+        latest_tmp.write_text(f"{step}\n")
+        os.replace(latest_tmp, root / LATEST_FILE)
+        logger.info("saved checkpoint %s", final)
+    dist.barrier()
+    return final
+
+
+def _save_atomically(
+    root: Path, name: str, state: dict[str, Any], groups: ParallelGroups, *,
+    header: dict[str, Any], kill_hook_step: int | None = None,
+) -> Path:
+    """Save ``state`` with dist_checkpointing into a staging directory, write the manifest
+    (``header``, layout, every file's size and sha256) last, and rename the directory to
+    ``root/name``; collective. A crash at any point leaves no directory named ``name`` that is
+    incomplete, and an existing ``root/name`` is retired only once its replacement is whole."""
+    final = root / name
+    staging_name = [f"{STAGING_PREFIX}{name}-{uuid.uuid4().hex[:8]}"]
+    dist.broadcast_object_list(staging_name, src=0)
+    staging = root / staging_name[0]
+    if groups.world_rank == 0:
+        staging.mkdir(parents=True, exist_ok=False)
+    dist.barrier()
     dist_checkpointing.save(state, str(staging))
     dist.barrier()
-    if groups.world_rank == 0 and os.environ.get(KILL_DURING_SAVE_ENV) == str(step):
+    if groups.world_rank == 0 and kill_hook_step is not None and \
+            os.environ.get(KILL_DURING_SAVE_ENV) == str(kill_hook_step):
         logger.error("test hook %s: killing rank 0 mid-save", KILL_DURING_SAVE_ENV)
         os.kill(os.getpid(), signal.SIGKILL)
     names = _files(staging)
@@ -243,7 +263,7 @@ def save_checkpoint(
     if groups.world_rank == 0:
         manifest = {
             "format_version": FORMAT_VERSION,
-            "step": step,
+            **header,
             "layout": _layout(groups),
             "files": {n: {"size": (staging / n).stat().st_size, "sha256": hashes[n]}
                       for n in names},
@@ -252,18 +272,14 @@ def save_checkpoint(
         tmp.write_text(json.dumps(manifest, indent=1))
         os.replace(tmp, staging / MANIFEST)
         if final.exists():
-            # Re-saving a step (e.g. after a resume): retire the old copy only now that the new
+            # Re-saving (e.g. a step after a resume): retire the old copy only now that the new
             # one is complete.
-            retired = root / f"{STAGING_PREFIX}retired-{final.name}-{uuid.uuid4().hex[:8]}"
+            retired = root / f"{STAGING_PREFIX}retired-{name}-{uuid.uuid4().hex[:8]}"
             os.replace(final, retired)
             os.replace(staging, final)
             shutil.rmtree(retired)
         else:
             os.replace(staging, final)
-        latest_tmp = root / f".{LATEST_FILE}.tmp"
-        latest_tmp.write_text(f"{step}\n")
-        os.replace(latest_tmp, root / LATEST_FILE)
-        logger.info("saved checkpoint %s", final)
     dist.barrier()
     return final
 
@@ -356,35 +372,13 @@ def save_model_checkpoint(
 
     Written with the same atomic staging + manifest protocol as a training checkpoint.
     """
-    root = Path(root)
-    final = root / name
-    staging_name = [f"{STAGING_PREFIX}{name}-{uuid.uuid4().hex[:8]}"]
-    dist.broadcast_object_list(staging_name, src=0)
-    staging = root / staging_name[0]
-    if groups.world_rank == 0:
-        staging.mkdir(parents=True, exist_ok=False)
-    dist.barrier()
     state: dict[str, Any] = {
         _model_keys(i, len(model_chunks)): unwrap_model(chunk).sharded_state_dict()
         for i, chunk in enumerate(model_chunks)
     }
     state["common"] = {"format_version": FORMAT_VERSION, "model_only": True,
                        "config": cfg.to_dict(), "layout": _layout(groups)}
-    dist_checkpointing.save(state, str(staging))
-    dist.barrier()
-    names = _files(staging)
-    hashes = _hash_shared(staging, names, groups)
-    if groups.world_rank == 0:
-        manifest = {"format_version": FORMAT_VERSION, "model_only": True,
-                    "layout": _layout(groups),
-                    "files": {n: {"size": (staging / n).stat().st_size, "sha256": hashes[n]}
-                              for n in names}}
-        (staging / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(staging, final)
-    dist.barrier()
-    return final
+    return _save_atomically(Path(root), name, state, groups, header={"model_only": True})
 
 
 def load_model_weights(
