@@ -32,7 +32,6 @@ class LMBatchSchedule:
     ) -> None:
         self.tokens = tokens
         self.seq_length = seq_length
-        self.global_batch_size = global_batch_size
         self.num_samples = (len(tokens) - 1) // seq_length
         if self.num_samples < global_batch_size:
             raise ValueError(

@@ -89,7 +89,6 @@ class SupervisedBatchSchedule:
                 f"{global_batch_size}; lower train.global_batch_size"
             )
         self.seq_length = seq_length
-        self.global_batch_size = global_batch_size
         self.pad_id = tokenizer.pad_id
         self.samples = []
         for problem in problems:

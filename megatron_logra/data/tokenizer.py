@@ -11,6 +11,8 @@ from pathlib import Path
 
 import sentencepiece as spm
 
+from megatron_logra.atomic_write import write_atomically
+
 
 class SentencePieceTokenizer:
     """A SentencePiece model with the ids the trainer needs (EOS doubles as padding)."""
@@ -69,7 +71,5 @@ def train_sentencepiece(
     )
     path = Path(model_path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_bytes(buffer.getvalue())
-    tmp.replace(path)
+    write_atomically(path, buffer.getvalue())
     return SentencePieceTokenizer(path)

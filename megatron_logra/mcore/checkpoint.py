@@ -37,6 +37,7 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
+from megatron_logra.atomic_write import write_atomically
 from megatron_logra.config import Config
 from megatron_logra.mcore.megatron_fixes import apply_megatron_fixes, untie_adam_steps
 from megatron_logra.mcore.parallel import ParallelGroups
@@ -229,9 +230,7 @@ def save_checkpoint(
     final = _save_atomically(root, checkpoint_name(step), state, groups,
                              header={"step": step}, kill_hook_step=step)
     if groups.world_rank == 0:
-        latest_tmp = root / f".{LATEST_FILE}.tmp"
-        latest_tmp.write_text(f"{step}\n")
-        os.replace(latest_tmp, root / LATEST_FILE)
+        write_atomically(root / LATEST_FILE, f"{step}\n")
         logger.info("saved checkpoint %s", final)
     dist.barrier()
     return final
@@ -268,9 +267,7 @@ def _save_atomically(
             "files": {n: {"size": (staging / n).stat().st_size, "sha256": hashes[n]}
                       for n in names},
         }
-        tmp = staging / f".{MANIFEST}.tmp"
-        tmp.write_text(json.dumps(manifest, indent=1))
-        os.replace(tmp, staging / MANIFEST)
+        write_atomically(staging / MANIFEST, json.dumps(manifest, indent=1))
         if final.exists():
             # Re-saving (e.g. a step after a resume): retire the old copy only now that the new
             # one is complete.

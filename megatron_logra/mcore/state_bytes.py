@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.optimizer.optimizer import ChainedOptimizer, MegatronOptimizer
 
+from megatron_logra.atomic_write import write_atomically
 from megatron_logra.mcore.logra_optimizer import LoGRAOptimizer
 from megatron_logra.mcore.lora import lora_adapters
 from megatron_logra.mcore.parallel import ParallelGroups
@@ -98,6 +99,4 @@ def write_state_bytes(per_rank: list[dict[str, int]], method: str, path: Path) -
     """The per-rank accounting and its sum over ranks as JSON, replaced atomically."""
     data = {"method": method, "per_rank": per_rank,
             "total": {k: sum(r.get(k, 0) for r in per_rank) for k in per_rank[0]}}
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    tmp.replace(path)
+    write_atomically(path, json.dumps(data, indent=2) + "\n")

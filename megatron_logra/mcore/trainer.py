@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import yaml
 
+from megatron_logra.atomic_write import write_atomically
 from megatron_logra.config import Config, KLControlConfig
 from megatron_logra.data.dataset_dir import load_tokens
 from megatron_logra.data.lm_batches import LMBatchSchedule, Microbatch
@@ -157,9 +158,7 @@ def _keep_metrics_up_to(path: Path, step: int) -> None:
         path.unlink(missing_ok=True)
         return
     kept = [r for r in read_metrics(path) if r["step"] <= step]
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(json.dumps(r, allow_nan=True) + "\n" for r in kept))
-    tmp.replace(path)
+    write_atomically(path, "".join(json.dumps(r, allow_nan=True) + "\n" for r in kept))
 
 
 def _probe_batch(

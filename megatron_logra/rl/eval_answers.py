@@ -15,6 +15,8 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from megatron_logra.atomic_write import write_atomically
+
 EVAL_DIR = "eval"
 
 
@@ -35,9 +37,7 @@ def eval_answers_path(run_dir: Path, step: int) -> Path:
 def write_eval_answers(answers: list[EvalAnswer], path: Path) -> None:
     """All lines at once, renamed into place: a reader never sees half an evaluation."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(json.dumps(asdict(a)) + "\n" for a in answers))
-    tmp.replace(path)
+    write_atomically(path, "".join(json.dumps(asdict(a)) + "\n" for a in answers))
 
 
 def read_eval_answers(path: Path) -> list[EvalAnswer]:
