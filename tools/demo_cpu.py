@@ -58,8 +58,9 @@ NPROC = 2
 # standard error of at most 1.6 points on an accuracy.
 DATA_SPEC = SyntheticDataSpec(num_train=20000, num_eval=1000, seed=0)
 # The warm start: dense Adam on prompt -> answer, loss on the answer. 600 steps of 128 problems
-# land near 34% greedy held-out accuracy (docs/LOG.md): partly right, so RL's exact-match reward
-# has signal, and far from the ceiling. It runs data-parallel (DP=2: one gradient all-reduce per
+# land at 26% greedy held-out accuracy here (34% from the same recipe at TP=2: fp32 rounding
+# drift, docs/LOG.md): partly right, so RL's exact-match reward has signal, and far from the
+# ceiling. It runs data-parallel (DP=2: one gradient all-reduce per
 # step, 1.5x faster than TP=2 on CPU); the RL runs load its checkpoint at TP=2.
 SFT_OVERRIDES: tuple[str, ...] = (
     "parallel.tp=1", "optimizer.name=adam", "logra.kl_control=false", "optimizer.lr=1e-3",
