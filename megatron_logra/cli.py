@@ -54,7 +54,7 @@ def _derive_rl_batch(cfg: Any) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from megatron_logra.mcore.parallel import world_size_from_env
+    from megatron_logra.mcore.process_groups import world_size_from_env
 
     overrides = list(args.overrides)
     if args.command == "sft":
@@ -69,11 +69,11 @@ def _train(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"megatron-logra: configuration error: {error}", file=sys.stderr)
         return 2
-    from megatron_logra.mcore.trainer import train
+    from megatron_logra.train.supervised import train
 
     try:
         if args.command == "rl":
-            from megatron_logra.mcore.rl_trainer import rl
+            from megatron_logra.train.rl import rl
 
             rl(cfg)
         else:

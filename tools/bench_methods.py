@@ -15,19 +15,19 @@ comparison, with the machine's load average. Per method:
 
 * ``peak_bytes``: peak of live tensor storage during one steady-state training step (after a
   warm-up step has allocated the optimizer state) -- counted exactly by
-  :class:`megatron_logra.live_tensors.LiveTensorTracker` on CPU, by
+  :class:`megatron_logra.memory.live_tensors.LiveTensorTracker` on CPU, by
   ``torch.cuda.max_memory_allocated`` on a GPU; with its split into persistent state,
   activations (saved for backward) and temporaries at the moment of the peak;
 * ``peak_rss_bytes``: the process's peak resident set (interpreter, torch and Megatron included:
   compare it with ``baseline_rss_bytes``, the RSS before the model was built);
-* ``state_bytes``: persistent training state by category (:mod:`megatron_logra.mcore.state_bytes`);
+* ``state_bytes``: persistent training state by category (:mod:`megatron_logra.mcore.training.state_bytes`);
 * ``step_time_s``: median wall time of ``--steps`` steps after ``--warmup`` steps (tracker off),
   ``step_time_min_s``, the fastest step (background load only ever adds time), and
   ``step_cpu_time_s``, the median CPU time of the process per step: on a shared machine with
   ``--threads 1`` it counts the work done, not the time spent waiting for a core (with more
   threads it includes OpenMP's spin-waiting at barriers);
 * ``estimate``: the analytic estimator's per-GPU prediction for the same model and layout
-  (:mod:`megatron_logra.memory_estimate`, fp32, no activation recompute).
+  (:mod:`megatron_logra.memory.estimate`, fp32, no activation recompute).
 
 Separately (``--no-kernels`` to skip), the backward cost of a sketch against the dense weight
 gradient it replaces: ``H^T (X A^T)`` (plus the projection ``X A^T``) vs ``H^T X``, timed for the
@@ -190,7 +190,7 @@ def _microbatches(args: argparse.Namespace, groups: Any, device: torch.device) -
 
 
 def _estimate(args: argparse.Namespace, cfg: Any, method: str) -> dict[str, float]:
-    from megatron_logra.memory_estimate import (
+    from megatron_logra.memory.estimate import (
         Layout,
         dense_adam_memory,
         logra_memory,
@@ -235,7 +235,7 @@ class _MemoryReading:
 def _label_persistent(tracker: Any, setup: Any) -> None:
     """Name what lives between steps: weights, LoRA adapters, gradient buffers; the rest of the
     live storage (optimizer state, sketches, projections, caches) is ``other_persistent``."""
-    from megatron_logra.mcore.lora import lora_adapters
+    from megatron_logra.mcore.peft.lora import lora_adapters
 
     params = [p for chunk in setup.model_chunks for p in chunk.parameters()]
     tracker.label(params, "weights")
@@ -248,8 +248,8 @@ def _label_persistent(tracker: Any, setup: Any) -> None:
 
 def _build(args: argparse.Namespace, method: str, groups: Any) -> Any:
     """The method's TrainingSetup on a freshly built model (the same initial weights for all)."""
-    from megatron_logra.mcore.model import build_model_chunks
-    from megatron_logra.mcore.training_setup import setup_training
+    from megatron_logra.mcore.models.gpt import build_model_chunks
+    from megatron_logra.mcore.training.setup import setup_training
 
     cfg = _config(args, method, groups.world_size)
     chunks = build_model_chunks(cfg, groups, vocab_size=args.vocab)
@@ -257,7 +257,7 @@ def _build(args: argparse.Namespace, method: str, groups: Any) -> Any:
 
 
 def _stepper(args: argparse.Namespace, setup: Any, groups: Any) -> Any:
-    from megatron_logra.mcore.train_step import train_step
+    from megatron_logra.mcore.training.step import train_step
 
     batch = _microbatches(args, groups, groups.device)
 
@@ -281,9 +281,9 @@ def _gather(mine: dict[str, Any], groups: Any) -> list[dict[str, Any]]:
 
 def _measure_memory(args: argparse.Namespace, method: str, groups: Any) -> dict[str, Any]:
     """One method in this process: build, warm up, then one step with memory accounting."""
-    from megatron_logra.live_tensors import LiveTensorTracker
-    from megatron_logra.mcore.state_bytes import persistent_state_bytes
-    from megatron_logra.metrics import current_rss_bytes
+    from megatron_logra.mcore.training.state_bytes import persistent_state_bytes
+    from megatron_logra.memory.live_tensors import LiveTensorTracker
+    from megatron_logra.train.metrics import current_rss_bytes
 
     on_gpu = groups.device.type == "cuda"
     baseline_rss = current_rss_bytes()
@@ -364,7 +364,11 @@ def _measure_time(args: argparse.Namespace, methods: list[str], groups: Any) -> 
 
 
 def _child_main(args: argparse.Namespace, methods: list[str]) -> int:
-    from megatron_logra.mcore.parallel import destroy_parallel, init_parallel, world_size_from_env
+    from megatron_logra.mcore.process_groups import (
+        destroy_parallel,
+        init_parallel,
+        world_size_from_env,
+    )
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)

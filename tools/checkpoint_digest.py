@@ -33,7 +33,7 @@ def main() -> int:
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
     import torch.distributed as dist
 
-    from megatron_logra.mcore.checkpoint_digest import (
+    from megatron_logra.mcore.checkpointing.digest import (
         load_full_weights,
         tensor_norms,
         weights_digest,

@@ -75,7 +75,7 @@ def _parse_overrides(overrides: list[str]) -> list[tuple[str, str, Any]]:
 def _to_megatron_config(hf_dir: Path, out_dir: Path, overrides: list[str]) -> tuple[Any, Any]:
     """The run config the checkpoint is written with, and the Hugging Face architecture."""
     from megatron_logra.config import config_from_dict
-    from megatron_logra.mcore.hf_conversion import (
+    from megatron_logra.mcore.conversion.hf import (
         CHECKPOINT_NAME,
         HF_CONFIG_FILE,
         TOKENIZER_FILES,
@@ -127,8 +127,8 @@ def to_megatron(hf_dir: Path, out_dir: Path, overrides: list[str]) -> int:
 def _to_megatron_ranks(cfg: Any, arch: Any, hf_dir: Path, out_dir: Path) -> int:
     import yaml
 
-    from megatron_logra.mcore.checkpoint import save_model_checkpoint
-    from megatron_logra.mcore.hf_conversion import (
+    from megatron_logra.mcore.checkpointing.checkpoint import save_model_checkpoint
+    from megatron_logra.mcore.conversion.hf import (
         CHECKPOINT_NAME,
         HF_CONFIG_FILE,
         HF_GENERATION_CONFIG_FILE,
@@ -141,8 +141,12 @@ def _to_megatron_ranks(cfg: Any, arch: Any, hf_dir: Path, out_dir: Path) -> int:
         check_tied_head,
         load_hf_weights_,
     )
-    from megatron_logra.mcore.model import build_model_chunks
-    from megatron_logra.mcore.parallel import destroy_parallel, init_parallel, world_size_from_env
+    from megatron_logra.mcore.models.gpt import build_model_chunks
+    from megatron_logra.mcore.process_groups import (
+        destroy_parallel,
+        init_parallel,
+        world_size_from_env,
+    )
 
     reader = SafetensorsReader(hf_dir)
     check_hf_names(reader.names(), arch)
@@ -206,7 +210,7 @@ def _check_tokenizer_fits(directory: Path, vocab_size: int) -> None:
 
 
 def _checkpoint_and_root(megatron_dir: Path) -> tuple[Path, Path | None]:
-    from megatron_logra.mcore.hf_conversion import CHECKPOINT_NAME
+    from megatron_logra.mcore.conversion.hf import CHECKPOINT_NAME
 
     if (megatron_dir / "metadata.json").is_file():
         return megatron_dir, None
@@ -222,7 +226,7 @@ def _source(
     """config.json (and generation config) to write, and the dtype of the tensors."""
     import torch
 
-    from megatron_logra.mcore.hf_conversion import (
+    from megatron_logra.mcore.conversion.hf import (
         HF_CONFIG_FILE,
         HF_SOURCE_FILE,
         hf_config_from_model_config,
@@ -256,8 +260,8 @@ def to_hf(megatron_dir: Path, out_dir: Path, hf_config: Path | None, max_shard_b
     from megatron.core import dist_checkpointing
 
     from megatron_logra.config import config_from_dict, load_config
-    from megatron_logra.mcore.checkpoint import verify_checkpoint
-    from megatron_logra.mcore.hf_conversion import (
+    from megatron_logra.mcore.checkpointing.checkpoint import verify_checkpoint
+    from megatron_logra.mcore.conversion.hf import (
         HF_CONFIG_FILE,
         HF_GENERATION_CONFIG_FILE,
         TOKENIZER_DIR,
@@ -267,7 +271,7 @@ def to_hf(megatron_dir: Path, out_dir: Path, hf_config: Path | None, max_shard_b
         hf_tensors_from_megatron,
         write_safetensors,
     )
-    from megatron_logra.mcore.parallel import destroy_parallel, init_parallel
+    from megatron_logra.mcore.process_groups import destroy_parallel, init_parallel
 
     _refuse_non_empty(out_dir)
     checkpoint, root = _checkpoint_and_root(megatron_dir)
@@ -334,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "to-megatron":
             return to_megatron(args.hf_dir, args.out_dir, args.overrides)
-        from megatron_logra.mcore.hf_conversion import DEFAULT_MAX_SHARD_BYTES
+        from megatron_logra.mcore.conversion.hf import DEFAULT_MAX_SHARD_BYTES
 
         return to_hf(args.megatron_dir, args.out_dir, args.hf_config,
                      args.max_shard_bytes or DEFAULT_MAX_SHARD_BYTES)

@@ -40,12 +40,12 @@ from megatron_logra.data.dataset_dir import (  # noqa: E402
     SyntheticDataSpec,
     write_synthetic_dataset,
 )
-from megatron_logra.metrics import read_metrics  # noqa: E402
 from megatron_logra.rl.eval_answers import (  # noqa: E402
     eval_answers_path,
     paired_greedy_change,
     read_eval_answers,
 )
+from megatron_logra.train.metrics import read_metrics  # noqa: E402
 
 CONFIG = REPO / "configs" / "demo_rl_cpu.yaml"
 DATA_DIR = REPO / ".data" / "demo_rl"

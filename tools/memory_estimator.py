@@ -5,7 +5,7 @@
     python tools/memory_estimator.py --config configs/demo_cpu.yaml --tp 1
     python tools/memory_estimator.py --compare-seeds
 
-Numbers are estimates for one GPU of the first pipeline stage (see megatron_logra/memory_estimate.py
+Numbers are estimates for one GPU of the first pipeline stage (see megatron_logra/memory/estimate.py
 for what is counted). Presets: qwen2.5-1.5b, qwen2.5-7b, gemma3-27b.
 """
 
@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from megatron_logra.memory_estimate import (
+from megatron_logra.memory.estimate import (
     GIB,
     LOGRA_PRECISIONS,
     NON_TARGET_TRAINING,

@@ -6,7 +6,7 @@
 
 The models are the shapes of the public Qwen2.5 family (0.5B to 72B: grouped-query attention,
 SwiGLU, RMSNorm, q/k/v bias); the numbers come from the analytic estimator
-(:mod:`megatron_logra.memory_estimate`, one GPU of the first pipeline stage) for one Megatron
+(:mod:`megatron_logra.memory.estimate`, one GPU of the first pipeline stage) for one Megatron
 layout and precision (``bf16``: Megatron mixed precision, LoGRA with fp32 master shards over
 DP; ``fp32``: fp32 parameters for every method). Left: everything (persistent state + saved activations); right: persistent state only.
 LoGRA is drawn in both of its modes: ``library`` (non-target parameters trained by Adam) and
@@ -23,7 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from megatron_logra.memory_estimate import (  # noqa: E402
+from megatron_logra.memory.estimate import (  # noqa: E402
     GIB,
     PRESETS,
     Layout,

@@ -11,7 +11,7 @@ interchangeable and the trainer can recompute exactly the quantities the losses 
   temperature and *no* top-p truncation. This is ``pi_rollout(y_t)`` of the importance weight
   ``min(pi_train / pi_rollout, cap)`` and of the rollout-vs-trainer mismatch the KL controller
   subtracts from its budget. The trainer recomputes the same quantity
-  (``megatron_logra.mcore.token_logprobs`` at ``batch.logprob_temperature``), so on-policy the
+  (``megatron_logra.mcore.inference.token_logprobs`` at ``batch.logprob_temperature``), so on-policy the
   two differ only by numerics, which is what the weight is meant to correct. Truncation is
   left out on purpose: the nucleus is a discontinuous function of all logits that the trainer
   can neither recompute stably nor differentiate, and a truncated ``pi_rollout`` against an

@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_logra.mcore.checkpoint import KILL_DURING_SAVE_ENV, MANIFEST
-from megatron_logra.metrics import read_metrics
+from megatron_logra.mcore.checkpointing.checkpoint import KILL_DURING_SAVE_ENV, MANIFEST
+from megatron_logra.train.metrics import read_metrics
 from tests.torchrun import REPO, run_torchrun, torchrun_env
 
 pytestmark = pytest.mark.distributed

@@ -41,7 +41,7 @@ def test_cli_refuses_bad_config_with_exit_code_2_and_names_the_field(overrides, 
 def test_train_mirrors_metrics_to_tensorboard_when_asked(synthetic_data_dir, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from megatron_logra.metrics import read_metrics
+    from megatron_logra.train.metrics import read_metrics
     from tests.torchrun import run_torchrun
 
     run_dir = tmp_path / "run"
@@ -66,7 +66,7 @@ def test_train_with_lora_keeps_grads_and_adam_state_for_the_adapters_only(synthe
     # adapters alone (the frozen base model gets none).
     import json
 
-    from megatron_logra.metrics import read_metrics
+    from megatron_logra.train.metrics import read_metrics
     from tests.torchrun import run_torchrun
 
     run_dir, hidden, ffn, lora_rank = tmp_path / "run", 64, 128, 4

@@ -308,7 +308,7 @@ def test_to_hf_of_a_training_checkpoint_holds_the_trained_weights_and_loads(
     # its own gathered full weights; the exported tensors, mapped back, are those weights.
     from safetensors.torch import load_file
 
-    from megatron_logra.mcore.hf_conversion import (
+    from megatron_logra.mcore.conversion.hf import (
         architecture_from_hf_config,
         megatron_full_tensor,
     )
@@ -345,7 +345,7 @@ def test_to_hf_of_a_training_checkpoint_holds_the_trained_weights_and_loads(
     ],
 )
 def test_unrepresentable_llama_configs_are_refused_with_the_field_named(hf_models, change, message):
-    from megatron_logra.mcore.hf_conversion import architecture_from_hf_config
+    from megatron_logra.mcore.conversion.hf import architecture_from_hf_config
 
     config = json.loads((hf_models["llama"] / "config.json").read_text())
     config.update(change)
@@ -354,7 +354,7 @@ def test_unrepresentable_llama_configs_are_refused_with_the_field_named(hf_model
 
 
 def test_sliding_window_qwen_is_refused(hf_models):
-    from megatron_logra.mcore.hf_conversion import architecture_from_hf_config
+    from megatron_logra.mcore.conversion.hf import architecture_from_hf_config
 
     config = json.loads((hf_models["qwen"] / "config.json").read_text())
     config.update(use_sliding_window=True, sliding_window=64)
@@ -435,7 +435,7 @@ def test_sft_from_a_converted_model_with_its_tokenizer_starts_at_the_hf_loss(
 ):
     # The converted qwen (256 rows, a tokenizer of ~100 ids) trains at TP=2 on prompt data
     # encoded by its own tokenizer: the first step's loss is transformers' loss on those tokens.
-    from megatron_logra.metrics import read_metrics
+    from megatron_logra.train.metrics import read_metrics
 
     data = _prompt_data(tmp_path / "data")
     config = _run_config(converted["qwen"], tmp_path / "run.yaml")
@@ -453,7 +453,7 @@ def test_rl_from_a_converted_model_with_its_tokenizer_takes_a_kl_controlled_step
     import math
 
     from megatron_logra.data.hf_tokenizer import HFTokenizer
-    from megatron_logra.metrics import read_metrics
+    from megatron_logra.train.metrics import read_metrics
 
     data = _prompt_data(tmp_path / "data")
     config = _run_config(converted["qwen"], tmp_path / "run.yaml")

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_logra.metrics import read_metrics
+from megatron_logra.train.metrics import read_metrics
 from tests.torchrun import REPO, WORKERS, run_torchrun
 
 pytestmark = pytest.mark.distributed

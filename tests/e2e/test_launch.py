@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_logra.launch import (
+from megatron_logra.recipes import (
     cli_task,
     dense_rl_recipe,
     local_executor,
@@ -27,7 +27,7 @@ from megatron_logra.launch import (
     slurm_executor,
     train_recipe,
 )
-from megatron_logra.metrics import read_metrics
+from megatron_logra.train.metrics import read_metrics
 from tests.torchrun import DEFAULT_TIMEOUT_S, REPO, torchrun_env
 
 CONFIG = str(REPO / "configs" / "demo_cpu.yaml")
@@ -173,7 +173,7 @@ def test_multi_node_script_refuses_an_incomplete_rendezvous_with_exit_code_2(env
 
 _RUN_TRAIN_RECIPE = """
     import json, sys
-    from megatron_logra.launch import local_executor, run_and_check, train_recipe
+    from megatron_logra.recipes import local_executor, run_and_check, train_recipe
 
     nproc, name, base_dir, config, overrides = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], json.loads(sys.argv[5])
     run_and_check(train_recipe(config, overrides), local_executor(nproc, cpu=True), name, base_dir=base_dir)
@@ -211,7 +211,7 @@ def test_run_and_check_raises_naming_the_job_when_the_job_fails(synthetic_data_d
 
 _RENDER_SBATCH = """
     import sys
-    from megatron_logra.launch import logra_rl_recipe, render_sbatch, slurm_executor
+    from megatron_logra.recipes import logra_rl_recipe, render_sbatch, slurm_executor
 
     job_dir, base_dir, out = sys.argv[1], sys.argv[2], sys.argv[3]
     executor = slurm_executor(

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_logra.metrics import read_metrics
+from megatron_logra.train.metrics import read_metrics
 from tests.torchrun import REPO, run_torchrun
 
 pytestmark = pytest.mark.distributed

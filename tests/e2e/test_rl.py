@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_logra.metrics import read_metrics
 from megatron_logra.rl.eval_answers import eval_answers_path, read_eval_answers
+from megatron_logra.train.metrics import read_metrics
 from tests.torchrun import REPO, run_torchrun
 
 pytestmark = pytest.mark.distributed

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_logra.live_tensors import ACTIVATIONS, TEMPORARIES, LiveTensorTracker
+from megatron_logra.memory.live_tensors import ACTIVATIONS, TEMPORARIES, LiveTensorTracker
 
 F32 = 4
 N = 1000

@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 
 from megatron_logra.config import TARGET_NAMES, load_config
-from megatron_logra.memory_estimate import (
+from megatron_logra.memory.estimate import (
     GIB,
     TARGET_LINEARS,
     Layout,

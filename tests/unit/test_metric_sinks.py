@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_logra.metric_sinks import TensorBoardSink, WandbSink
+from megatron_logra.train.metric_sinks import TensorBoardSink, WandbSink
 
 # TensorBoard stores scalars as float32: a float64 value comes back rounded to 24 significant
 # bits, i.e. within half a float32 ulp, 2**-24 relative.

@@ -7,7 +7,7 @@ import json
 import logging
 import math
 
-from megatron_logra.metrics import MetricsLog, read_metrics
+from megatron_logra.train.metrics import MetricsLog, read_metrics
 
 RECORDS = [
     {"step": 3, "loss": 4.123449, "grad_norm": 1.5, "lr": 0.001, "tokens_per_s": 12345.4,
@@ -76,7 +76,7 @@ def test_without_console_nothing_is_printed(tmp_path, capsys):
 
 def test_non_finite_value_is_logged_as_warning_and_round_trips(tmp_path, caplog):
     path = tmp_path / "metrics.jsonl"
-    with caplog.at_level(logging.WARNING, logger="megatron_logra.metrics"):
+    with caplog.at_level(logging.WARNING, logger="megatron_logra.train.metrics"):
         with MetricsLog(path, total_steps=5, console=None) as log:
             log.log({"step": 1, "loss": float("nan"), "grad_norm": float("inf")})
     assert "loss is nan" in caplog.text

@@ -24,10 +24,10 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from megatron_logra.config import load_config  # noqa: E402
-from megatron_logra.mcore.checkpoint import load_model_weights  # noqa: E402
-from megatron_logra.mcore.hf_conversion import HF_SOURCE_FILE, MODEL_YAML  # noqa: E402
-from megatron_logra.mcore.model import build_model_chunks  # noqa: E402
-from megatron_logra.mcore.parallel import destroy_parallel, init_parallel  # noqa: E402
+from megatron_logra.mcore.checkpointing.checkpoint import load_model_weights  # noqa: E402
+from megatron_logra.mcore.conversion.hf import HF_SOURCE_FILE, MODEL_YAML  # noqa: E402
+from megatron_logra.mcore.models.gpt import build_model_chunks  # noqa: E402
+from megatron_logra.mcore.process_groups import destroy_parallel, init_parallel  # noqa: E402
 
 
 def _collect_logits(output: torch.Tensor, non_loss_data: bool = False) -> torch.Tensor:

@@ -51,21 +51,21 @@ from megatron_logra.kl import (  # noqa: E402
     predicted_kl,
     predicted_kl_vocab_parallel,
 )
-from megatron_logra.mcore.forward_ad import (  # noqa: E402
+from megatron_logra.mcore.compat.forward_ad import (  # noqa: E402
     forward_ad_rules_installed,
     install_forward_ad_rules,
     patched_function_names,
 )
-from megatron_logra.mcore.logit_jvp import LowRankDirection, logit_jvp  # noqa: E402
-from megatron_logra.mcore.model import build_model  # noqa: E402
-from megatron_logra.mcore.parallel import destroy_parallel, init_parallel  # noqa: E402
-from megatron_logra.mcore.sharding import (  # noqa: E402
+from megatron_logra.mcore.kl_probe.logit_jvp import LowRankDirection, logit_jvp  # noqa: E402
+from megatron_logra.mcore.models.gpt import build_model  # noqa: E402
+from megatron_logra.mcore.models.sharding import (  # noqa: E402
     full_shape,
     global_named_parameters,
     partition_of,
     shard_from_full,
 )
-from megatron_logra.mcore.targets import TARGET_PATHS, find_targets  # noqa: E402
+from megatron_logra.mcore.models.targets import TARGET_PATHS, find_targets  # noqa: E402
+from megatron_logra.mcore.process_groups import destroy_parallel, init_parallel  # noqa: E402
 from megatron_logra.projection import generate_projection, projection_key  # noqa: E402
 
 VOCAB = 100  # padded to 128 by the model: TP=2 shards are 64 wide, the second half padding-heavy

@@ -42,19 +42,19 @@ from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_regi
 
 from megatron_logra.config import TARGET_NAMES, load_config  # noqa: E402
 from megatron_logra.data.lm_batches import Microbatch  # noqa: E402
-from megatron_logra.mcore.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
-from megatron_logra.mcore.lora import attach_lora, lora_adapters  # noqa: E402
-from megatron_logra.mcore.model import build_model  # noqa: E402
-from megatron_logra.mcore.parallel import init_parallel  # noqa: E402
-from megatron_logra.mcore.sharding import (  # noqa: E402
+from megatron_logra.mcore.checkpointing.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from megatron_logra.mcore.models.gpt import build_model  # noqa: E402
+from megatron_logra.mcore.models.sharding import (  # noqa: E402
     gather_full,
     global_named_parameters,
     partition_of,
     shard_from_full,
 )
-from megatron_logra.mcore.targets import find_targets  # noqa: E402
-from megatron_logra.mcore.train_step import train_step  # noqa: E402
-from megatron_logra.mcore.training_setup import setup_training  # noqa: E402
+from megatron_logra.mcore.models.targets import find_targets  # noqa: E402
+from megatron_logra.mcore.peft.lora import attach_lora, lora_adapters  # noqa: E402
+from megatron_logra.mcore.process_groups import init_parallel  # noqa: E402
+from megatron_logra.mcore.training.setup import setup_training  # noqa: E402
+from megatron_logra.mcore.training.step import train_step  # noqa: E402
 
 VOCAB = 100
 SEQ, MICRO_BATCH = 16, 2

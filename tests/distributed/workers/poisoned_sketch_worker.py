@@ -24,11 +24,11 @@ from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E
 from megatron_logra.config import load_config  # noqa: E402
 from megatron_logra.data.dataset_dir import load_tokenizer, load_tokens  # noqa: E402
 from megatron_logra.data.lm_batches import LMBatchSchedule  # noqa: E402
-from megatron_logra.mcore.kl_step_control import KLStepControl, ProbeBatch  # noqa: E402
-from megatron_logra.mcore.model import build_model_chunks  # noqa: E402
-from megatron_logra.mcore.parallel import init_parallel  # noqa: E402
-from megatron_logra.mcore.train_step import _forward_step  # noqa: E402
-from megatron_logra.mcore.training_setup import setup_training  # noqa: E402
+from megatron_logra.mcore.kl_probe.step_control import KLStepControl, ProbeBatch  # noqa: E402
+from megatron_logra.mcore.models.gpt import build_model_chunks  # noqa: E402
+from megatron_logra.mcore.process_groups import init_parallel  # noqa: E402
+from megatron_logra.mcore.training.setup import setup_training  # noqa: E402
+from megatron_logra.mcore.training.step import _forward_step  # noqa: E402
 
 
 def main() -> None:

@@ -47,14 +47,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from megatron.core import parallel_state  # noqa: E402
 
 from megatron_logra.config import load_config  # noqa: E402
-from megatron_logra.mcore.megatron_sampler import MegatronSampler  # noqa: E402
-from megatron_logra.mcore.model import build_model_chunks  # noqa: E402
-from megatron_logra.mcore.parallel import destroy_parallel, init_parallel  # noqa: E402
-from megatron_logra.mcore.sharding import global_named_parameters  # noqa: E402
-from megatron_logra.mcore.token_logprobs import (  # noqa: E402
+from megatron_logra.mcore.inference.sampler import MegatronSampler  # noqa: E402
+from megatron_logra.mcore.inference.token_logprobs import (  # noqa: E402
     compute_token_logprobs,
     token_logprobs_from_logits,
 )
+from megatron_logra.mcore.models.gpt import build_model_chunks  # noqa: E402
+from megatron_logra.mcore.models.sharding import global_named_parameters  # noqa: E402
+from megatron_logra.mcore.process_groups import destroy_parallel, init_parallel  # noqa: E402
 from megatron_logra.rl.rollout import RolloutBatch, SamplingParams  # noqa: E402
 
 VOCAB = 100  # padded to 128 by the model: padding ids exist and must never be sampled

@@ -29,10 +29,10 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from megatron_logra.config import load_config  # noqa: E402
-from megatron_logra.mcore.layers import LayerSketch  # noqa: E402
-from megatron_logra.mcore.model import build_model  # noqa: E402
-from megatron_logra.mcore.parallel import init_parallel  # noqa: E402
-from megatron_logra.mcore.targets import find_targets  # noqa: E402
+from megatron_logra.mcore.models.gpt import build_model  # noqa: E402
+from megatron_logra.mcore.models.targets import find_targets  # noqa: E402
+from megatron_logra.mcore.process_groups import init_parallel  # noqa: E402
+from megatron_logra.mcore.tensor_parallel.sketched_linear import LayerSketch  # noqa: E402
 from megatron_logra.projection import generate_projection, projection_key  # noqa: E402
 from megatron_logra.sketch_buffer import FlatSketchBuffer, SketchSlot  # noqa: E402
 

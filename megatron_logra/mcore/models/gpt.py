@@ -1,0 +1,203 @@
+"""Build a Megatron-Core GPTModel for a run, with layout-independent initialisation.
+
+The model uses Megatron's local layer spec (no Transformer Engine) with two substitutions: the
+four target linears are the sketch-capable subclasses of Megatron's parallel linears (identical
+to Megatron's layers until a sketch is attached), and the norms accept sequence parallelism.
+
+Initialisation is layout independent by construction: every parameter is drawn as its full TP=1
+tensor from a generator seeded by ``(train.seed, global parameter name)`` and this rank's shard
+is cut from it. The same seed therefore gives the same full weights for every TP size (and,
+because names carry global layer numbers, for every pipeline split).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import math
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.module import Float16Module
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+from megatron_logra.config import Config, ModelConfig
+from megatron_logra.mcore.models.norms import SequenceParallelTorchNorm
+from megatron_logra.mcore.models.sharding import (
+    full_shape,
+    global_named_parameters,
+    partition_of,
+    shard_from_full,
+)
+from megatron_logra.mcore.process_groups import ParallelGroups
+from megatron_logra.mcore.tensor_parallel.sketched_linear import (
+    SketchedColumnParallelLinear,
+    SketchedRowParallelLinear,
+)
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int) -> int:
+    """Vocabulary padded to a multiple of ``divisible_by`` (independent of the TP size)."""
+    return int(math.ceil(vocab_size / divisible_by) * divisible_by)
+
+
+def transformer_config(cfg: Config, device: torch.device) -> TransformerConfig:
+    """The one written-out mapping from our model/parallel sections to Megatron's config."""
+    m: ModelConfig = cfg.model
+    params_dtype = torch.bfloat16 if m.params_dtype == "bf16" else torch.float32
+    return TransformerConfig(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.query_groups,
+        ffn_hidden_size=m.ffn_hidden_size,
+        normalization=m.normalization,
+        layernorm_epsilon=m.layernorm_epsilon,
+        add_bias_linear=m.add_bias_linear,
+        add_qkv_bias=m.add_qkv_bias,
+        gated_linear_unit=m.activation == "swiglu",
+        activation_func=F.silu if m.activation == "swiglu" else F.gelu,
+        init_method_std=m.init_method_std,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=params_dtype,
+        bf16=m.params_dtype == "bf16",
+        tensor_model_parallel_size=cfg.parallel.tp,
+        pipeline_model_parallel_size=cfg.parallel.pp,
+        virtual_pipeline_model_parallel_size=cfg.parallel.vpp,
+        pipeline_dtype=params_dtype,
+        sequence_parallel=cfg.parallel.sp,
+        # Sum of per-token losses, normalised once by the global token count in
+        # finalize_model_grads: exact under any microbatch / data-parallel split.
+        calculate_per_token_loss=True,
+        use_cpu_initialization=device.type == "cpu",
+        # Fused kernels come from apex / Transformer Engine, which the local spec does not use.
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        cross_entropy_loss_fusion=False,
+        # Interleaved pipelining over gloo mismatches batched p2p messages (silently wrong).
+        batch_p2p_comm=False,
+    )
+
+
+def gpt_layer_spec(
+    m: ModelConfig, sequence_parallel: bool, layers_per_chunk: int
+) -> ModuleSpec | TransformerBlockSubmodules:
+    """Megatron's local GPT layer spec with sketch-capable linears and SP-capable norms.
+
+    ``layers_per_chunk`` is the number of decoder layers one model chunk builds (a block spec
+    lists exactly the layers of its pipeline stage; Megatron numbers them globally).
+    """
+    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization=m.normalization))
+    layer = spec.submodules
+    layer.self_attention.submodules.linear_qkv = SketchedColumnParallelLinear
+    layer.self_attention.submodules.linear_proj = SketchedRowParallelLinear
+    layer.mlp.submodules.linear_fc1 = SketchedColumnParallelLinear
+    layer.mlp.submodules.linear_fc2 = SketchedRowParallelLinear
+    layer.input_layernorm = SequenceParallelTorchNorm
+    layer.pre_mlp_layernorm = SequenceParallelTorchNorm
+    if not sequence_parallel:
+        return spec
+    # The final norm is chosen by the block spec; pass it explicitly so it is SP-capable too.
+    return TransformerBlockSubmodules(
+        layer_specs=[spec] * layers_per_chunk, layer_norm=SequenceParallelTorchNorm
+    )
+
+
+def build_model_chunks(
+    cfg: Config, groups: ParallelGroups, vocab_size: int
+) -> list[torch.nn.Module]:
+    """This rank's model chunks: one per virtual pipeline stage (one without interleaving).
+
+    All chunks share one TransformerConfig object, as Megatron's schedules expect (they read
+    the finalize/sync hooks from the first chunk's config).
+    """
+    m = cfg.model
+    config = transformer_config(cfg, groups.device)
+    chunks = []
+    for chunk in range(groups.vpp_size):
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=gpt_layer_spec(
+                m, cfg.parallel.sp, m.num_layers // (groups.pp_size * groups.vpp_size)
+            ),
+            vocab_size=padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by),
+            max_sequence_length=m.seq_length,
+            pre_process=groups.is_first_stage(chunk),
+            post_process=groups.is_last_stage(chunk),
+            parallel_output=True,
+            share_embeddings_and_output_weights=not m.untie_embeddings,
+            position_embedding_type=m.position_embedding,
+            rotary_base=m.rotary_base,
+            vp_stage=chunk if groups.vpp_size > 1 else None,
+        )
+        model.to(groups.device)
+        initialize_layout_invariant_(model, m, seed=cfg.train.seed, groups=groups)
+        if config.bf16:
+            # Megatron's mixed-precision wrapper: bf16 inputs on the first stage, fp32 outputs
+            # (losses) on the last.
+            model = Float16Module(config, model)
+        chunks.append(model)
+    return chunks
+
+
+def build_model(cfg: Config, groups: ParallelGroups, vocab_size: int) -> torch.nn.Module:
+    """The single model chunk of a run without virtual pipeline stages."""
+    if groups.vpp_size != 1:
+        raise ValueError("build_model builds one chunk; use build_model_chunks with parallel.vpp")
+    return build_model_chunks(cfg, groups, vocab_size)[0]
+
+
+def _init_rule(name: str, m: ModelConfig) -> tuple[str, float]:
+    """``(kind, std)`` for a parameter's global name: normal(0, std), ones or zeros."""
+    if name.endswith(".bias"):
+        return "zeros", 0.0
+    if "layernorm" in name or name.endswith("final_layernorm.weight"):
+        return "ones", 0.0
+    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        # Megatron's scaled init for the two linears that write into the residual stream.
+        return "normal", m.init_method_std / math.sqrt(2.0 * m.num_layers)
+    if name.endswith(
+        ("linear_qkv.weight", "linear_fc1.weight", "word_embeddings.weight",
+         "position_embeddings.weight", "output_layer.weight")
+    ):
+        return "normal", m.init_method_std
+    raise RuntimeError(f"no initialisation rule for parameter {name!r}")
+
+
+def _name_seed(seed: int, name: str) -> int:
+    digest = hashlib.blake2b(f"megatron_logra.init|{seed}|{name}".encode(), digest_size=8)
+    return int.from_bytes(digest.digest(), "little") & (2**63 - 1)
+
+
+@torch.no_grad()
+def initialize_layout_invariant_(
+    model: torch.nn.Module, m: ModelConfig, *, seed: int, groups: ParallelGroups
+) -> None:
+    """Overwrite every parameter with its shard of a full tensor seeded by its global name."""
+    for name, param in global_named_parameters(model):
+        if name == "output_layer.weight" and not m.untie_embeddings:
+            # With tied embeddings and several pipeline stages, the last stage holds its own
+            # copy of the word embeddings as output_layer.weight; it must start equal to them.
+            name = "embedding.word_embeddings.weight"
+        kind, std = _init_rule(name, m)
+        if kind == "zeros":
+            param.zero_()
+            continue
+        if kind == "ones":
+            param.fill_(1.0)
+            continue
+        generator = torch.Generator(device="cpu").manual_seed(_name_seed(seed, name))
+        full = torch.empty(full_shape(param, groups.tp_size), dtype=torch.float32)
+        full.normal_(0.0, std, generator=generator)
+        dim, stride = partition_of(param)
+        shard = shard_from_full(full, dim, stride, groups.tp_rank, groups.tp_size)
+        param.copy_(shard.to(device=param.device, dtype=param.dtype))

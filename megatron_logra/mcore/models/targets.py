@@ -1,0 +1,106 @@
+"""Find the linears LoGRA sketches and give each a stable, layout-independent key."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from megatron_logra.mcore.models.sharding import unwrap_model
+from megatron_logra.mcore.tensor_parallel.sketched_linear import (
+    SketchedColumnParallelLinear,
+    SketchedRowParallelLinear,
+)
+
+# Target name -> (attribute path inside a TransformerLayer, tensor-parallel kind).
+TARGET_PATHS: dict[str, tuple[str, str]] = {
+    "linear_qkv": ("self_attention.linear_qkv", "column"),
+    "linear_proj": ("self_attention.linear_proj", "row"),
+    "linear_fc1": ("mlp.linear_fc1", "column"),
+    "linear_fc2": ("mlp.linear_fc2", "row"),
+}
+
+
+@dataclass(frozen=True)
+class SketchTarget:
+    """One sketched linear on this rank.
+
+    Attributes:
+        layer_key: ``decoder.layers.<global index>.<path>``; the same on every rank, for every
+            TP/PP layout and wrapper, so it seeds the same projection everywhere.
+        module: the Megatron layer.
+        parallel_kind: ``column`` (owns output rows) or ``row`` (owns input columns).
+        in_features: global input width n (columns of the full A).
+        col_start, col_end: the global input columns this rank's weight shard covers.
+    """
+
+    layer_key: str
+    module: SketchedColumnParallelLinear | SketchedRowParallelLinear
+    parallel_kind: str
+    in_features: int
+    col_start: int
+    col_end: int
+
+    @property
+    def weight(self) -> torch.nn.Parameter:
+        return self.module.weight
+
+    @property
+    def rows(self) -> int:
+        return self.module.weight.shape[0]
+
+    @property
+    def stride(self) -> int:
+        """Interleaved row blocks of the shard (2 for a gated fc1: [gate_t; up_t])."""
+        if self.parallel_kind == "row":
+            return 1
+        return int(getattr(self.module.weight, "partition_stride", 1))
+
+    @property
+    def tp_partial(self) -> bool:
+        """Row-parallel sketches are partial sums over the tensor-parallel group."""
+        return self.parallel_kind == "row"
+
+
+def find_targets(
+    model_chunks: Sequence[torch.nn.Module], target_names: Sequence[str], *, tp_rank: int
+) -> list[SketchTarget]:
+    """Every requested linear of every decoder layer in ``model_chunks``, in layer order."""
+    targets: list[SketchTarget] = []
+    for chunk in model_chunks:
+        decoder = getattr(unwrap_model(chunk), "decoder", None)
+        if decoder is None:
+            raise TypeError("LoGRA targets live in a GPTModel's decoder; this chunk has none")
+        for layer in decoder.layers:
+            global_index = layer.layer_number - 1
+            for name in target_names:
+                path, kind = TARGET_PATHS[name]
+                module: torch.nn.Module = layer
+                for attr in path.split("."):
+                    module = getattr(module, attr)
+                expected = (
+                    SketchedColumnParallelLinear if kind == "column" else SketchedRowParallelLinear
+                )
+                if not isinstance(module, expected):
+                    raise TypeError(
+                        f"decoder.layers.{global_index}.{path} is a {type(module).__name__}, not "
+                        f"a {expected.__name__}: build the model with "
+                        "megatron_logra.mcore.models.gpt.gpt_layer_spec"
+                    )
+                local_in = module.weight.shape[1]
+                if kind == "column":
+                    in_features, col_start = local_in, 0
+                else:
+                    in_features, col_start = module.input_size, tp_rank * local_in
+                targets.append(
+                    SketchTarget(
+                        layer_key=f"decoder.layers.{global_index}.{path}",
+                        module=module,
+                        parallel_kind=kind,
+                        in_features=in_features,
+                        col_start=col_start,
+                        col_end=col_start + local_in,
+                    )
+                )
+    return targets

@@ -1,0 +1,684 @@
+"""LoGRA as a Megatron optimizer, chained with Megatron's own optimizer for everything else.
+
+:class:`LoGRAOptimizer` owns the target weights of one rank: their flat fp32 sketch buffer, the
+projections, the direction rule's state (RowAdam row moments) and the update count. It follows
+Megatron's ``MegatronOptimizer`` contract (``prepare_grads`` / ``step_with_ready_grads`` /
+``zero_grad`` / ``param_groups`` for the LR scheduler / ``state_dict``), so it chains with the
+DDP-backed Adam or SGD that trains the embeddings, norms, biases and output layer.
+
+:class:`LoGRAChainedOptimizer` is Megatron's ``ChainedOptimizer`` with one change: the global
+gradient norm counts every sketch as the gradient it stands for, the reconstructed ``S A``
+(computed through ``A A^T``, never by reconstruction), so a single norm and a single clip
+coefficient cover dense and sketched parameters alike. With ``A = I`` that norm is exactly the
+dense gradient norm of an ordinary Megatron run.
+
+Step anatomy (driven by Megatron's schedule and the training loop):
+
+1. ``zero_grad``: the flat sketch buffer is zeroed with the DDP grad buffers.
+2. forward/backward over the microbatches: sketched layers accumulate ``H^T P``.
+3. ``finalize_model_grads`` (installed by :mod:`megatron_logra.mcore.training.setup`): after
+   Megatron's own DP reduction, :meth:`LoGRAOptimizer.reduce_sketches` sums the buffer over DP
+   (and row-parallel partials over TP) and applies the same scaling Megatron applied to the
+   dense gradients (1/num_tokens, or 1/dp).
+4. ``step``: global norm -> clip -> direction (in place) -> ``W <- (1 - lr wd) W - lr D A`` ->
+   ``update_count += 1`` -> fresh projections.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+from megatron.core.optimizer.optimizer import ChainedOptimizer, MegatronOptimizer
+from torch import distributed as dist
+
+from megatron_logra.config import LoGRAConfig
+from megatron_logra.controller import KLController
+from megatron_logra.direction import (
+    DirectionContext,
+    DirectionRule,
+    RowAdamDirection,
+    make_direction_rule,
+)
+from megatron_logra.master_weights import RowShardedMaster
+from megatron_logra.mcore.models.targets import SketchTarget
+from megatron_logra.mcore.process_groups import ParallelGroups
+from megatron_logra.mcore.tensor_parallel.sketched_linear import LayerSketch
+from megatron_logra.projection import generate_projection, projection_key
+from megatron_logra.row_adam_paper import update_ratio_scale
+from megatron_logra.sketch import apply_low_rank_update_, reconstructed_sq_norm
+from megatron_logra.sketch_buffer import FlatSketchBuffer, SketchSlot
+
+
+class _TargetParamGroups(torch.optim.Optimizer):
+    """Holds the target weights in one param group so Megatron's LR scheduler drives their lr
+    and weight decay like any other group. It never steps: LoGRA updates the weights itself."""
+
+    def __init__(self, weights: Sequence[torch.nn.Parameter], *, lr: float, weight_decay: float):
+        super().__init__(
+            [{"params": list(weights), "wd_mult": 1.0, "lr_mult": 1.0, "is_decoupled_lr": False}],
+            {"lr": lr, "weight_decay": weight_decay},
+        )
+
+    def step(self, closure: Any = None) -> None:
+        raise RuntimeError("LoGRA target weights are updated by LoGRAOptimizer, not stepped")
+
+
+class LoGRAOptimizer(MegatronOptimizer):
+    """Sketch-based updates of this rank's target weights (library mode).
+
+    Two precision modes for the target weights (``logra.master_weights``):
+
+    * ``none``: fp32 parameters are their own masters; every data-parallel rank holds and
+      updates all rows (the sketch buffer is all-reduced).
+    * ``dp_sharded``: bf16 parameters with fp32 masters sharded over the data-parallel group by
+      whole rows. The sketch buffer is reduce-scattered, each rank applies RowAdam and the update
+      to the rows it owns, and the updated bf16 rows are all-gathered.
+
+    Args:
+        targets: the sketched linears on this rank (their weights must be frozen to autograd).
+        logra: the run's LoGRA section.
+        config: the Megatron optimizer config shared with the chained native optimizer (lr,
+            weight decay and clip_grad come from it and from the scheduler).
+        groups: process groups of this rank.
+    """
+
+    def __init__(
+        self,
+        targets: Sequence[SketchTarget],
+        *,
+        logra: LoGRAConfig,
+        config: MegatronOptimizerConfig,
+        groups: ParallelGroups,
+    ) -> None:
+        if not targets:
+            raise ValueError("LoGRAOptimizer needs at least one target on this rank")
+        weight_dtype = targets[0].weight.dtype
+        for target in targets:
+            if target.weight.requires_grad:
+                raise RuntimeError(
+                    f"{target.layer_key}.weight still requires grad; freeze sketched weights "
+                    "before building DDP so they stay out of its grad buffer"
+                )
+            if target.weight.dtype != weight_dtype:
+                raise RuntimeError(
+                    f"{target.layer_key}.weight is {target.weight.dtype}, other targets "
+                    f"{weight_dtype}: targets must share one dtype"
+                )
+        self.master_mode = resolve_master_mode(logra.master_weights, weight_dtype)
+        holder = _TargetParamGroups(
+            [t.weight for t in targets], lr=config.lr, weight_decay=config.weight_decay
+        )
+        super().__init__(holder, config, init_state_fn=lambda *args: None)
+        self.is_stub_optimizer = False
+        self.targets = list(targets)
+        self.logra = logra
+        self.groups = groups
+        self.update_count = 0
+        self.compute_dtype = weight_dtype
+        sharded = self.master_mode == "dp_sharded"
+        self.sketches = FlatSketchBuffer(
+            [
+                SketchSlot(
+                    t.layer_key, t.rows, self.sketch_rank_of(t), t.tp_partial, stride=t.stride
+                )
+                for t in self.targets
+            ],
+            device=targets[0].weight.device,
+            dp_size=groups.dp_size if sharded else 1,
+            dp_rank=groups.dp_rank if sharded else 0,
+        )
+        self.masters: dict[str, RowShardedMaster] = {}
+        if sharded:
+            for target in self.targets:
+                self.masters[target.layer_key] = RowShardedMaster(
+                    target.weight, self.sketches.shards[target.layer_key]
+                )
+        # Sketch statistics: replicated sketches are summed over model parallelism only; sharded
+        # ones hold distinct rows on every DP rank as well.
+        self.stats_group = None if sharded else groups.mp
+        self.direction: DirectionRule = make_direction_rule(
+            logra.resolved_direction, self.sketches, beta2=logra.beta2, eps=logra.eps
+        )
+        # Groups holding a layer's rows (for per-layer row statistics of the paper's RowAdam):
+        # column-parallel rows are split over TP (and DP when sharded), row-parallel rows over
+        # DP only when sharded.
+        self.row_groups = {
+            False: (groups.tp_dp if sharded else groups.tp) if groups.tp_size > 1 or sharded
+            else None,
+            True: groups.dp if sharded else None,
+        }
+        self._prepared = False
+        self.last_update_scale: float | None = None
+        # Set by the trainer when a KL controller sizes the updates; checkpointed with LoGRA.
+        self.kl_controller: KLController | None = None
+        self.paper_update_scale: float | None = None
+        for target in self.targets:
+            target.module.logra_sketch = LayerSketch(
+                target.layer_key, self._projection(target), self.sketches
+            )
+
+    # ------------------------------------------------------------------ projections
+
+    def sketch_rank_of(self, target: SketchTarget) -> int:
+        if self.logra.distribution == "identity":
+            return target.in_features
+        return self.logra.sketch_rank
+
+    def _projection(self, target: SketchTarget) -> torch.Tensor:
+        """A for the current update, in fp32 with values exact in the compute dtype.
+
+        With bf16 weights, A is rounded to bf16 once here, so the forward pass (which projects
+        bf16 activations) and the fp32 update use the same matrix. Rademacher entries with a
+        power-of-4 sketch rank are exact in bf16 anyway.
+        """
+        count = self.update_count if self.logra.refresh else 0
+        key = projection_key(self.logra.seed, count, target.layer_key)
+        projection = generate_projection(
+            key,
+            self.sketch_rank_of(target),
+            target.col_start,
+            target.col_end,
+            self.logra.distribution,
+            dtype=torch.float32,
+            device=target.weight.device,
+        )
+        if self.compute_dtype != torch.float32:
+            projection = projection.to(self.compute_dtype).float()
+        return projection
+
+    def refresh_projections(self) -> None:
+        """Regenerate every projection for the current ``update_count``."""
+        for target in self.targets:
+            target.module.logra_sketch.projection = self._projection(target)
+
+    def projection_of(self, target: SketchTarget) -> torch.Tensor:
+        return target.module.logra_sketch.projection
+
+    # ------------------------------------------------------------------ gradients
+
+    def reduce_sketches(self, num_tokens: torch.Tensor | None) -> None:
+        """Sum sketches over DP (row-parallel partials also over TP); scale like Megatron.
+
+        ``num_tokens`` is the global token count after Megatron's finalize_model_grads (per-token
+        loss), or None, in which case Megatron averaged gradients over data parallelism.
+        """
+        self.sketches.reduce_(
+            dp_group=self.groups.dp,
+            tp_group=self.groups.tp,
+            tp_dp_group=self.groups.tp_dp,
+            tp_size=self.groups.tp_size,
+        )
+        if num_tokens is not None:
+            scale = 1.0 / num_tokens.item() if num_tokens.item() > 0 else 1.0
+        else:
+            scale = 1.0 / self.groups.dp_size
+        if scale != 1.0:
+            for segment in self.sketches.owned_segments():
+                segment.mul_(scale)
+
+    @torch.no_grad()
+    def sketch_sq_norm(self) -> float:
+        """``sum_l ||S_l A_l||^2`` over all targets of the model (every rank's share counted).
+
+        Column-parallel ranks hold distinct rows of ``S A``, row-parallel ranks distinct column
+        blocks (their full sketch rows times their slice of A), pipeline stages distinct layers,
+        and with sharded masters DP ranks distinct rows: the sum over the statistics group counts
+        every entry once. Replicated DP copies are identical and not summed.
+        """
+        local = torch.zeros((), dtype=torch.float64, device=self.sketches.data.device)
+        for target in self.targets:
+            local += reconstructed_sq_norm(
+                self.sketches.owned_view(target.layer_key), self.projection_of(target)
+            )
+        if dist.get_world_size(self.stats_group) > 1:
+            dist.all_reduce(local, group=self.stats_group)
+        return float(local.item())
+
+    @torch.no_grad()
+    def clip_sketches_(self, max_norm: float, total_norm: float) -> None:
+        """Megatron's clip rule (``max_norm / (total_norm + 1e-6)`` when below one)."""
+        clip_coeff = max_norm / (total_norm + 1.0e-6)
+        if clip_coeff < 1.0:
+            for segment in self.sketches.owned_segments():
+                segment.mul_(clip_coeff)
+
+    # ------------------------------------------------------------------ MegatronOptimizer API
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        del set_to_none
+        self.sketches.zero_()
+
+    def get_loss_scale(self) -> torch.Tensor:
+        return torch.ones(1, dtype=torch.float32, device=self.sketches.data.device)
+
+    @torch.no_grad()
+    def prepare_grads(self) -> bool:
+        """Refuse a non-finite sketch: it would poison the row moments for every later step."""
+        finite = torch.ones((), dtype=torch.float32, device=self.sketches.data.device)
+        for segment in self.sketches.owned_segments():
+            finite = torch.minimum(finite, torch.isfinite(segment).all().float())
+        # Every rank must take the same decision (sharded ranks see different rows).
+        if dist.get_world_size(self.stats_group) > 1:
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN, group=self.stats_group)
+        if finite.item() < 1.0:
+            bad = [
+                slot.layer_key
+                for slot, view in self.sketches.owned_items()
+                if not bool(torch.isfinite(view).all())
+            ]
+            raise RuntimeError(
+                f"non-finite LoGRA sketch at update {self.update_count + 1} (on this rank: "
+                f"{bad[:4]}{' ...' if len(bad) > 4 else ''}); no weight was changed"
+            )
+        return False
+
+    def get_main_grads_for_grad_norm(self) -> list[torch.Tensor]:
+        raise RuntimeError(
+            "LoGRA sketches stand for gradients of a different size; use "
+            "LoGRAOptimizer.sketch_sq_norm (LoGRAChainedOptimizer does)"
+        )
+
+    def get_grad_norm(self) -> float:
+        return math.sqrt(self.sketch_sq_norm())
+
+    def clip_grad_norm(self, clip_grad: float) -> float:
+        grad_norm = self.get_grad_norm()
+        self.clip_sketches_(clip_grad, grad_norm)
+        return grad_norm
+
+    def count_zeros(self) -> float:
+        zeros = torch.zeros((), dtype=torch.float64, device=self.sketches.data.device)
+        for segment in self.sketches.owned_segments():
+            zeros += (segment == 0).sum()
+        if dist.get_world_size(self.stats_group) > 1:
+            dist.all_reduce(zeros, group=self.stats_group)
+        return float(zeros.item())
+
+    @torch.no_grad()
+    def sketch_frobenius_sq(self) -> float:
+        """``sum_l ||S_l||_F^2`` (the paper's reported "grad norm" is its square root)."""
+        local = torch.zeros((), dtype=torch.float64, device=self.sketches.data.device)
+        for target in self.targets:
+            view = self.sketches.owned_view(target.layer_key)
+            # Row-parallel sketch rows are replicated over TP: count them once.
+            if target.tp_partial and self.groups.tp_rank != 0:
+                continue
+            local += view.double().pow(2).sum()
+        if dist.get_world_size(self.stats_group) > 1:
+            dist.all_reduce(local, group=self.stats_group)
+        return float(local.item())
+
+    @torch.no_grad()
+    def prepare_update(self) -> None:
+        """Turn the reduced sketches into this step's directions ``D`` (in place).
+
+        Paper mode also scales all directions jointly so that the proposed update ``-sum D A``
+        has norm ``update_ratio * ||W_targets||``. Nothing is applied yet: a controller may
+        look at the proposal (:meth:`proposed_directions`) and choose its scale first.
+        """
+        if self._prepared:
+            raise RuntimeError("an update is already prepared; apply it before preparing another")
+        self.direction.apply_(
+            self.sketches,
+            DirectionContext(step=self.update_count + 1, row_groups=self.row_groups),
+        )
+        self.paper_update_scale = None
+        if self.logra.mode == "paper":
+            weight_sq = self._weight_sq_norm()
+            direction_sq = self.sketch_sq_norm()
+            kappa = update_ratio_scale(weight_sq, direction_sq, self.logra.update_ratio)
+            for segment in self.sketches.owned_segments():
+                segment.mul_(kappa)
+            self.paper_update_scale = kappa
+        self._prepared = True
+
+    @torch.no_grad()
+    def _weight_sq_norm(self) -> float:
+        """``||W_targets||_F^2`` from the fp32 masters (or the fp32 weights), every share once."""
+        local = torch.zeros((), dtype=torch.float64, device=self.sketches.data.device)
+        for target in self.targets:
+            master = self.masters.get(target.layer_key)
+            weight = master.master_OI if master is not None else target.weight.detach()
+            local += weight.double().pow(2).sum()
+        if dist.get_world_size(self.stats_group) > 1:
+            dist.all_reduce(local, group=self.stats_group)
+        return float(local.item())
+
+    def _step_size(self) -> tuple[float, float]:
+        """``(lr, weight_decay)`` of the update: the scheduler's in library mode; the paper's
+        update has no learning rate (the update ratio and the KL controller size it) and no
+        weight decay."""
+        if self.logra.mode == "paper":
+            return 1.0, 0.0
+        group = self.param_groups[0]
+        return float(group["lr"]), float(group["weight_decay"])
+
+    @torch.no_grad()
+    def proposed_directions(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """``{layer_key: (left, right)}`` with ``left @ right`` this rank's local weight change
+        of the prepared update at scale 1 (weight decay aside): ``left = -lr D``, ``right = A``.
+
+        With DP-sharded masters each rank holds only its own rows of D; the directions are then
+        all-gathered over DP once (sketch-sized), since every rank probes its own sequences
+        through its whole local model.
+        """
+        if not self._prepared:
+            raise RuntimeError("prepare_update() first")
+        lr, _ = self._step_size()
+        full = self.sketches.gathered_data(dp_group=self.groups.dp)
+        proposals = {}
+        for target in self.targets:
+            pieces = self.sketches.pieces(target.layer_key, data=full)
+            rows = torch.cat([piece.view for piece in pieces], dim=0)
+            proposals[target.layer_key] = (rows.mul(-lr), self.projection_of(target))
+        return proposals
+
+    @torch.no_grad()
+    def apply_update(self, scale: float = 1.0) -> None:
+        """Merge the prepared update times ``scale`` into the weights; refresh projections.
+
+        Library: ``W <- (1 - s lr wd) W - s lr D A``. Paper: ``W <- W - round(s D) A`` with the
+        factor rounded to ``logra.update_factor_dtype`` (the paper's runs round it to bf16).
+        """
+        if not self._prepared:
+            raise RuntimeError("prepare_update() first")
+        if not math.isfinite(scale) or scale < 0.0:
+            raise RuntimeError(f"refusing to apply an update with scale {scale}")
+        lr, weight_decay = self._step_size()
+        round_factor = self.logra.mode == "paper" and self.logra.update_factor_dtype == "bf16"
+        for target in self.targets:
+            direction = self.sketches.owned_view(target.layer_key)
+            if round_factor:
+                direction = (direction * scale).to(torch.bfloat16).float()
+                step_lr = lr
+            else:
+                step_lr = lr * scale
+            projection = self.projection_of(target)
+            master = self.masters.get(target.layer_key)
+            # (1 - step_lr * wd) with step_lr = scale * lr: the decay is scaled with the step
+            # (paper mode has no decay, and its scale is folded into the rounded factor).
+            if master is None:
+                apply_low_rank_update_(target.weight.data, direction, projection, lr=step_lr,
+                                       weight_decay=weight_decay)
+            else:
+                master.apply_update_(direction, projection, lr=step_lr,
+                                     weight_decay=weight_decay)
+                master.publish_(target.weight, self.groups.dp)
+        self.update_count += 1
+        self.last_update_scale = scale
+        self._prepared = False
+        if self.logra.refresh:
+            self.refresh_projections()
+
+    @torch.no_grad()
+    def step_with_ready_grads(self) -> bool:
+        self.prepare_update()
+        self.apply_update(1.0)
+        return True
+
+    @torch.no_grad()
+    def step(self) -> tuple[bool, float | None, float | None]:
+        """Stand-alone step (when LoGRA is the only optimizer)."""
+        self.prepare_grads()
+        grad_norm = None
+        if self.config.clip_grad > 0.0:
+            grad_norm = self.clip_grad_norm(self.config.clip_grad)
+        return self.step_with_ready_grads(), grad_norm, None
+
+    def reload_model_params(self, state_dict: Any = None) -> None:
+        """Re-derive sharded masters from the (just loaded) model weights."""
+        for target in self.targets:
+            master = self.masters.get(target.layer_key)
+            if master is not None:
+                master.load_(RowShardedMaster(target.weight, master.shard).master_OI)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "update_count": self.update_count,
+            "direction": {k: v.clone() for k, v in self.direction.state_tensors().items()},
+            "masters": {k: m.master_OI.clone() for k, m in self.masters.items()},
+            "param_groups": [
+                {k: v for k, v in g.items() if k != "params"} for g in self.param_groups
+            ],
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load either :meth:`state_dict` or a loaded :meth:`sharded_state_dict`."""
+        if "row_pieces" in state_dict:
+            self._load_sharded(state_dict)
+            return
+        self.update_count = int(state_dict["update_count"])
+        for name, tensor in self.direction.state_tensors().items():
+            tensor.copy_(state_dict["direction"][name])
+        for key, master in self.masters.items():
+            master.load_(state_dict["masters"][key])
+        for group, saved in zip(self.param_groups, state_dict["param_groups"], strict=True):
+            group.update(saved)
+        self.refresh_projections()
+
+    # ------------------------------------------------------------------ dist_checkpointing
+
+    def checkpoint_fingerprint(self) -> dict[str, Any]:
+        """The settings a checkpoint's LoGRA state only makes sense under."""
+        return {
+            "mode": self.logra.mode,
+            "seed": self.logra.seed,
+            "distribution": self.logra.distribution,
+            "sketch_rank": self.logra.sketch_rank,
+            "direction": self.logra.direction,
+            "refresh": self.logra.refresh,
+            "targets": sorted(self.logra.targets),
+            "master_mode": self.master_mode,
+            "update_ratio": self.logra.update_ratio if self.logra.mode == "paper" else None,
+        }
+
+    def _row_fragments(self, target: SketchTarget) -> list[tuple[int, int, int]]:
+        """``(block, fragment index, fragments)`` of each owned row piece in the full weight.
+
+        The full (TP=1) weight's rows are ``stride`` blocks; a column-parallel TP shard owns
+        slice ``t`` of every block, and each DP owner a ``1/dp`` chunk of that, so every piece
+        is one uniform fragment of the global rows. Row-parallel shards hold all rows.
+        """
+        shard = self.sketches.shards[target.layer_key]
+        tp = self.groups.tp_size if target.parallel_kind == "column" else 1
+        tp_rank = self.groups.tp_rank if target.parallel_kind == "column" else 0
+        dp, dp_rank = shard.dp_size, shard.dp_rank
+        return [
+            (block, block * tp * dp + tp_rank * dp + dp_rank, shard.stride * tp * dp)
+            for block in range(shard.stride)
+        ]
+
+    def _row_moment(self, layer_key: str) -> torch.Tensor | None:
+        """This rank's RowAdam moments of a layer (None for directions without row state)."""
+        if isinstance(self.direction, RowAdamDirection):
+            return self.direction.moment(layer_key)
+        return None
+
+    def sharded_state_dict(
+        self, model_sharded_state_dict: Any, is_loading: bool = False, metadata: Any = None
+    ) -> dict[str, Any]:
+        """Row moments and fp32 masters as ShardedTensors keyed by layer, reshardable to any
+        TP / PP / DP layout; the update count and settings as common state.
+
+        Projections are not saved: they are regenerated from ``(seed, update_count, layer)``.
+        """
+        del model_sharded_state_dict, is_loading, metadata
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        replicated_rows = not self.sketches.sharded
+        pieces: dict[str, Any] = {}
+        for target in self.targets:
+            key, shard = target.layer_key, self.sketches.shards[target.layer_key]
+            row_part = target.parallel_kind == "row"
+            # Copies of the same rows: row-parallel TP ranks hold the same rows; replicated
+            # layouts hold them on every DP rank too. Only the all-zero replica is written.
+            replica = (
+                self.groups.tp_rank if row_part else 0,
+                self.groups.dp_rank if replicated_rows else 0,
+            )
+            entries: dict[str, list[Any]] = {"moment": [], "master": []}
+            moment_view = self._row_moment(key)
+            master = self.masters.get(key)
+            for block, index, fragments in self._row_fragments(target):
+                rows = slice(block * shard.chunk_rows, (block + 1) * shard.chunk_rows)
+                if moment_view is not None:
+                    entries["moment"].append(ShardedTensor.from_rank_offsets(
+                        f"logra.row_second_moment.{key}", moment_view[rows],
+                        (0, index, fragments), replica_id=replica,
+                    ))
+                if master is not None:
+                    column_axis = (
+                        [(1, self.groups.tp_rank, self.groups.tp_size)] if row_part else []
+                    )
+                    entries["master"].append(ShardedTensor.from_rank_offsets(
+                        f"logra.master.{key}", master.master_OI[rows],
+                        (0, index, fragments), *column_axis, replica_id=0,
+                    ))
+            pieces[key] = entries
+        return {
+            "common": {
+                "update_count": self.update_count,
+                "kl_controller": (
+                    self.kl_controller.state_dict() if self.kl_controller is not None else None
+                ),
+                "fingerprint": self.checkpoint_fingerprint(),
+                "param_groups": [
+                    {k: v for k, v in g.items() if k != "params"} for g in self.param_groups
+                ],
+            },
+            "row_pieces": pieces,
+        }
+
+    def _load_sharded(self, state_dict: dict[str, Any]) -> None:
+        common = state_dict["common"]
+        check_compatible_fingerprint(common["fingerprint"], self.checkpoint_fingerprint())
+        for target in self.targets:
+            key, shard = target.layer_key, self.sketches.shards[target.layer_key]
+            entries = state_dict["row_pieces"][key]
+            moment = self._row_moment(key)
+            for block in range(shard.stride):
+                rows = slice(block * shard.chunk_rows, (block + 1) * shard.chunk_rows)
+                if moment is not None:
+                    moment[rows].copy_(entries["moment"][block])
+                if key in self.masters:
+                    self.masters[key].master_OI[rows].copy_(entries["master"][block])
+        self.update_count = int(common["update_count"])
+        if self.kl_controller is not None:
+            if common.get("kl_controller") is None:
+                raise ValueError(
+                    "this run uses logra.kl_control but the checkpoint has no KL controller "
+                    "state; resume without kl_control or from a checkpoint written with it"
+                )
+            self.kl_controller.load_state_dict(common["kl_controller"])
+        for group, saved in zip(self.param_groups, common["param_groups"], strict=True):
+            group.update(saved)
+        self.refresh_projections()
+
+
+def check_compatible_fingerprint(saved: dict[str, Any], current: dict[str, Any]) -> None:
+    """Refuse LoGRA state saved under settings that change what that state means."""
+    mismatched = {
+        name: (saved.get(name), value) for name, value in current.items()
+        if saved.get(name) != value
+    }
+    if mismatched:
+        details = ", ".join(
+            f"{name}: checkpoint {old!r} vs run {new!r}" for name, (old, new) in mismatched.items()
+        )
+        raise ValueError(
+            f"the checkpoint's LoGRA state is incompatible with this run ({details}); resume "
+            "with the settings the checkpoint was written with"
+        )
+
+
+def resolve_master_mode(requested: str, weight_dtype: torch.dtype) -> str:
+    """``auto`` -> ``none`` for fp32 weights, ``dp_sharded`` for bf16; check explicit choices."""
+    if requested == "auto":
+        return "none" if weight_dtype == torch.float32 else "dp_sharded"
+    if requested == "none" and weight_dtype != torch.float32:
+        raise ValueError(
+            f"logra.master_weights=none merges updates into the weights themselves, which are "
+            f"{weight_dtype}: a ~1e-4 relative update is below bf16 resolution and would be "
+            "lost; use logra.master_weights=dp_sharded (or model.params_dtype=fp32)"
+        )
+    if requested == "dp_sharded" and weight_dtype == torch.float32:
+        raise ValueError(
+            "logra.master_weights=dp_sharded keeps fp32 masters of low-precision weights; with "
+            "model.params_dtype=fp32 the weights are their own masters: use "
+            "logra.master_weights=none (or auto)"
+        )
+    return requested
+
+
+class LoGRAChainedOptimizer(ChainedOptimizer):
+    """Megatron's native optimizer(s) and a :class:`LoGRAOptimizer` under one global norm."""
+
+    def __init__(self, native: MegatronOptimizer, logra: LoGRAOptimizer) -> None:
+        natives = list(native.chained_optimizers) if isinstance(native, ChainedOptimizer) else [
+            native
+        ]
+        # A stub (a rank whose native parameters are all frozen, e.g. paper mode) holds no
+        # optimizer; Megatron's chain cannot checkpoint one, and it has nothing to step.
+        natives = [opt for opt in natives if not getattr(opt, "is_stub_optimizer", False)]
+        super().__init__(natives + [logra])
+        self.native_optimizers = natives
+        self.logra = logra
+        # Megatron's own norm over the native parameters (its grad-stats groups, its filters).
+        self._native_chain = ChainedOptimizer(natives) if natives else None
+
+    @torch.no_grad()
+    def get_grad_norm(self) -> float:
+        if self.logra.logra.mode == "paper":
+            # The paper reports the sketch norm sqrt(sum ||S||^2); nothing else is trained.
+            return math.sqrt(self.logra.sketch_frobenius_sq())
+        native_norm = self._native_chain.get_grad_norm() if self._native_chain else 0.0
+        return math.sqrt(float(native_norm) ** 2 + self.logra.sketch_sq_norm())
+
+    @torch.no_grad()
+    def step(
+        self, control: Callable[[LoGRAOptimizer], float] | None = None
+    ) -> tuple[bool, float | None, float | None]:
+        """As ``ChainedOptimizer.step``, with the sketches inside the norm and the clip, and an
+        optional step controller.
+
+        Order: grads ready -> global norm -> clip (library mode; the paper's update is sized by
+        its update ratio instead) -> LoGRA prepares its directions -> ``control(logra)``
+        returns the scale of the LoGRA update (e.g. from the predicted KL, computed at the
+        current weights) -> the native optimizers step -> the LoGRA update is applied.
+        """
+        found_inf_flag = self.prepare_grads()
+        if found_inf_flag:
+            return False, None, None
+        grad_norm = self.get_grad_norm()
+        if self.config.clip_grad > 0.0 and self.logra.logra.mode != "paper":
+            for optimizer in self.native_optimizers:
+                if getattr(optimizer, "is_stub_optimizer", False):
+                    continue
+                parameters = optimizer.get_parameters()
+                if parameters:
+                    clip_grad_by_total_norm_fp32(
+                        parameters,
+                        max_norm=optimizer.config.clip_grad,
+                        total_norm=grad_norm,
+                        use_decoupled_grad=(
+                            optimizer.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+                        ),
+                    )
+            self.logra.clip_sketches_(self.config.clip_grad, grad_norm)
+        num_zeros_in_grad = None
+        if self.config.log_num_zeros_in_grad:
+            num_zeros_in_grad = sum(
+                opt.count_zeros() for opt in self.native_optimizers
+            ) + self.logra.count_zeros()
+        self.logra.prepare_update()
+        scale = control(self.logra) if control is not None else 1.0
+        success = True
+        for optimizer in self.native_optimizers:
+            success &= optimizer.step_with_ready_grads()
+        self.logra.apply_update(scale)
+        return success, grad_norm, num_zeros_in_grad

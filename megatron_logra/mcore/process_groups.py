@@ -1,0 +1,152 @@
+"""Process groups: start torch.distributed and Megatron's model parallelism for a run.
+
+Everything below this module receives the groups it needs explicitly (a :class:`ParallelGroups`),
+so the only reads of Megatron's global ``parallel_state`` are here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+
+from megatron_logra.config import Config
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """The groups and coordinates of this rank in the (tp, pp, dp) layout.
+
+    Attributes:
+        tp: tensor-parallel group (row-parallel sketches are partial sums over it).
+        dp: data-parallel group (with context parallelism, as Megatron reduces grads).
+        tp_dp: tensor-and-data-parallel group (one collective for TP partials and the DP sum).
+        mp: model-parallel group (tp x pp): gradient statistics of replicated-over-DP tensors.
+        pp: pipeline group.
+    """
+
+    tp: dist.ProcessGroup
+    dp: dist.ProcessGroup
+    tp_dp: dist.ProcessGroup
+    mp: dist.ProcessGroup
+    pp: dist.ProcessGroup
+    tp_rank: int
+    tp_size: int
+    dp_rank: int
+    dp_size: int
+    pp_rank: int
+    pp_size: int
+    vpp_size: int
+    """Model chunks (virtual pipeline stages) per rank; 1 without interleaving."""
+    world_rank: int
+    world_size: int
+    device: torch.device
+
+    def is_first_stage(self, chunk: int = 0) -> bool:
+        """Whether model chunk ``chunk`` of this rank holds the first layers (the embedding)."""
+        return self.pp_rank == 0 and chunk == 0
+
+    def is_last_stage(self, chunk: int | None = None) -> bool:
+        """Whether chunk ``chunk`` (default: this rank's last) holds the output layer."""
+        chunk = self.vpp_size - 1 if chunk is None else chunk
+        return self.pp_rank == self.pp_size - 1 and chunk == self.vpp_size - 1
+
+
+def resolve_device(requested: str) -> torch.device:
+    """``auto`` becomes cuda when a GPU is visible, else cpu."""
+    if requested == "auto":
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ValueError("parallel.device=cuda but no GPU is visible; use parallel.device=cpu")
+    return torch.device(requested)
+
+
+def world_size_from_env() -> int:
+    """The world size torchrun announces (1 for a plain ``python`` launch)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_parallel(cfg: Config) -> ParallelGroups:
+    """Start torch.distributed (torchrun's env:// or a 1-process world) and Megatron's groups.
+
+    ``cfg`` must be resolved (``parallel.dp`` known). On CPU this enables the compatibility
+    layer and uses gloo; on GPU, NCCL with one device per local rank.
+    """
+    device = resolve_device(cfg.parallel.device)
+    if device.type == "cpu":
+        from megatron_logra.mcore.compat.cpu import enable_cpu_compat
+
+        enable_cpu_compat()
+        backend = "gloo"
+    else:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        backend = "nccl"
+
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            # A plain `python -m megatron_logra ...`: a world of one process.
+            os.environ.update(
+                {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+            )
+        dist.init_process_group(backend=backend, timeout=timedelta(minutes=10))
+
+    world_size = dist.get_world_size()
+    p = cfg.parallel
+    if p.dp is None or p.tp * p.pp * p.dp != world_size:
+        raise RuntimeError(
+            f"config layout tp={p.tp} pp={p.pp} dp={p.dp} does not match world size {world_size}"
+        )
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=p.tp,
+        pipeline_model_parallel_size=p.pp,
+        virtual_pipeline_model_parallel_size=p.vpp,
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(cfg.train.seed)
+    groups = ParallelGroups(
+        tp=parallel_state.get_tensor_model_parallel_group(),
+        dp=parallel_state.get_data_parallel_group(with_context_parallel=True),
+        tp_dp=parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True),
+        mp=parallel_state.get_model_parallel_group(),
+        pp=parallel_state.get_pipeline_model_parallel_group(),
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        tp_size=parallel_state.get_tensor_model_parallel_world_size(),
+        dp_rank=parallel_state.get_data_parallel_rank(with_context_parallel=True),
+        dp_size=parallel_state.get_data_parallel_world_size(with_context_parallel=True),
+        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+        pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        vpp_size=p.vpp or 1,
+        world_rank=dist.get_rank(),
+        world_size=world_size,
+        device=device,
+    )
+    logger.info(
+        "rank %d: tp %d/%d dp %d/%d pp %d/%d on %s (%s)", groups.world_rank, groups.tp_rank,
+        groups.tp_size, groups.dp_rank, groups.dp_size, groups.pp_rank, groups.pp_size,
+        device, backend,
+    )
+    return groups
+
+
+def destroy_parallel() -> None:
+    """Tear down Megatron's groups and the process group (end of a run or a test)."""
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,157 @@
+"""Wrap a model for training with one of the three methods: dense Adam, dense SGD or LoGRA.
+
+All three share the model, Megatron's DDP, Megatron's optimizer and Megatron's LR scheduler; LoGRA
+only freezes its target weights before DDP is built (so they get no grad-buffer slot, no
+``main_grad`` and no hook) and chains a :class:`LoGRAOptimizer` for them.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.optimizer.optimizer import MegatronOptimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from megatron_logra.config import Config
+from megatron_logra.mcore.models.sharding import unwrap_model
+from megatron_logra.mcore.models.targets import find_targets
+from megatron_logra.mcore.optimizer.logra import LoGRAChainedOptimizer, LoGRAOptimizer
+from megatron_logra.mcore.peft.lora import attach_lora
+from megatron_logra.mcore.process_groups import ParallelGroups
+
+
+@dataclass
+class TrainingSetup:
+    model_chunks: list[DistributedDataParallel]
+    optimizer: MegatronOptimizer
+    scheduler: OptimizerParamScheduler
+    logra: LoGRAOptimizer | None
+
+
+def megatron_optimizer_config(cfg: Config) -> MegatronOptimizerConfig:
+    """Our optimizer section mapped onto Megatron's (for the native part under LoGRA too)."""
+    o = cfg.optimizer
+    # LoGRA's native part runs its configured optimizer; LoRA adapters train with Adam.
+    kind = {"logra": cfg.logra.native_optimizer, "lora": "adam"}.get(o.name, o.name)
+    return MegatronOptimizerConfig(
+        optimizer=kind,
+        lr=o.lr,
+        min_lr=o.min_lr,
+        weight_decay=o.weight_decay,
+        adam_beta1=o.adam_beta1,
+        adam_beta2=o.adam_beta2,
+        adam_eps=o.adam_eps,
+        sgd_momentum=o.sgd_momentum,
+        clip_grad=o.clip_grad,
+        use_distributed_optimizer=o.use_distributed_optimizer,
+        bf16=cfg.model.params_dtype == "bf16",
+        params_dtype=torch.bfloat16 if cfg.model.params_dtype == "bf16" else torch.float32,
+    )
+
+
+def finalize_grads_with_sketches(
+    model: list[torch.nn.Module],
+    num_tokens: torch.Tensor | None = None,
+    pg_collection: object | None = None,
+    force_all_reduce: bool | None = False,
+    *,
+    logra: LoGRAOptimizer,
+) -> None:
+    """Megatron's ``finalize_model_grads``, then the same reduction and scaling for sketches.
+
+    Megatron all-reduces ``num_tokens`` in place to the global count, so after its call the
+    tensor holds exactly the divisor it applied to the dense gradients.
+    """
+    finalize_model_grads(model, num_tokens, pg_collection, force_all_reduce)
+    logra.reduce_sketches(num_tokens)
+
+
+def freeze_non_targets(model_chunks: list[torch.nn.Module]) -> None:
+    """The paper trains only the sketched linears: freeze everything else.
+
+    With every parameter frozen, nothing upstream of the first sketched layer would require
+    grad and backward would never reach the sketches; the embedding's output is therefore made
+    to require grad (an anchor for autograd, no parameter gets a gradient). Later pipeline
+    stages receive their inputs from Megatron's schedule with requires_grad set.
+    """
+    for chunk in model_chunks:
+        for param in chunk.parameters():
+            param.requires_grad_(False)
+        embedding = getattr(unwrap_model(chunk), "embedding", None)
+        if embedding is not None and getattr(unwrap_model(chunk), "pre_process", False):
+            embedding.register_forward_hook(_require_grad_output)
+
+
+def _require_grad_output(module: torch.nn.Module, args: object, output: torch.Tensor):
+    if torch.is_grad_enabled() and not output.requires_grad:
+        return output.requires_grad_(True)
+    return output
+
+
+def setup_training(
+    cfg: Config, model_chunks: list[torch.nn.Module], groups: ParallelGroups
+) -> TrainingSetup:
+    """DDP + optimizer (+ LoGRA chain) + scheduler for ``cfg.optimizer.name``."""
+    o = cfg.optimizer
+    targets = []
+    if o.name == "lora":
+        # Freezes the base model: DDP then gives grad-buffer slots (and the optimizer state)
+        # to the adapters only.
+        attach_lora(model_chunks, cfg.lora.targets, lora_rank=cfg.lora.rank,
+                    alpha=cfg.lora.alpha, groups=groups, seed=cfg.lora.seed)
+    if o.name == "logra":
+        targets = find_targets(model_chunks, cfg.logra.targets, tp_rank=groups.tp_rank)
+        for target in targets:
+            target.weight.requires_grad_(False)
+        if cfg.logra.mode == "paper":
+            freeze_non_targets(model_chunks)
+    config = model_chunks[0].config
+    ddp_chunks = [
+        DistributedDataParallel(
+            config,
+            DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True,
+                overlap_grad_reduce=False,
+                use_distributed_optimizer=o.use_distributed_optimizer,
+            ),
+            module=chunk,
+            # As Megatron does: only the first chunk's grads are bucketed for overlap.
+            disable_bucketing=index > 0,
+        )
+        for index, chunk in enumerate(model_chunks)
+    ]
+    opt_config = megatron_optimizer_config(cfg)
+    native = get_megatron_optimizer(opt_config, ddp_chunks)
+    logra = None
+    optimizer: MegatronOptimizer = native
+    if o.name == "logra":
+        logra = LoGRAOptimizer(targets, logra=cfg.logra, config=opt_config, groups=groups)
+        optimizer = LoGRAChainedOptimizer(native, logra)
+        config.finalize_model_grads_func = functools.partial(
+            finalize_grads_with_sketches, logra=logra
+        )
+    else:
+        config.finalize_model_grads_func = finalize_model_grads
+    steps = cfg.train.steps
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if o.lr_warmup_steps > 0 else o.lr,
+        max_lr=o.lr,
+        min_lr=o.min_lr,
+        lr_warmup_steps=o.lr_warmup_steps,
+        lr_decay_steps=max(steps, o.lr_warmup_steps + 1),
+        lr_decay_style=o.lr_decay_style,
+        start_wd=o.weight_decay,
+        end_wd=o.weight_decay,
+        wd_incr_steps=steps,
+        wd_incr_style="constant",
+    )
+    return TrainingSetup(
+        model_chunks=ddp_chunks, optimizer=optimizer, scheduler=scheduler, logra=logra
+    )

@@ -1,0 +1,129 @@
+"""One metrics record per step: a readable console line on rank 0 and the same fields in JSONL.
+
+    step  3/20 | loss 4.1234 | grad_norm 1.230e+00 | lr 1.00e-03 | tok/s 12,345 | 0.123 s
+    | mem 512 MiB   (one line)
+
+Every record is appended to ``<run.dir>/metrics.jsonl`` and flushed, so a crash loses at most the
+step in flight and another process can follow the file while the run goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import resource
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from megatron_logra.train.metric_sinks import MetricSink
+
+logger = logging.getLogger(__name__)
+
+_MIB = 1024 * 1024
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process (Linux reports kilobytes)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def current_rss_bytes() -> int:
+    with open("/proc/self/statm") as handle:
+        resident_pages = int(handle.read().split()[1])
+    return resident_pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def _format_field(key: str, value: Any) -> str | None:
+    if value is None:
+        return None
+    if key == "loss":
+        return f"loss {value:.4f}"
+    if key == "grad_norm":
+        return f"grad_norm {value:.3e}"
+    if key == "lr":
+        return f"lr {value:.2e}"
+    if key == "tokens_per_s":
+        return f"tok/s {value:,.0f}"
+    if key == "step_time_s":
+        return f"{value:.3f} s"
+    if key == "mem_bytes":
+        return f"mem {value / _MIB:,.0f} MiB"
+    if key == "kl_predicted_scaled":
+        return f"kl_pred {value:.2e}"
+    if key == "kl_realized":
+        return f"kl_real {value:.2e}"
+    if key == "alpha":
+        return f"alpha {value:.3f}"
+    if isinstance(value, float):
+        return f"{key} {value:.4g}"
+    return f"{key} {value}"
+
+
+# Fields shown on the console line, in this order; everything else goes only to JSONL.
+CONSOLE_FIELDS: tuple[str, ...] = (
+    "loss", "reward", "accuracy", "grad_norm", "lr", "kl_predicted_scaled", "kl_realized",
+    "alpha", "tokens_per_s", "step_time_s", "mem_bytes",
+)
+
+
+class MetricsLog:
+    """Writes step records. Only the process that owns it (rank 0) should create one."""
+
+    def __init__(
+        self,
+        path: str | Path | None,
+        *,
+        total_steps: int,
+        console: TextIO | None = sys.stdout,
+        sinks: Sequence[MetricSink] = (),
+    ) -> None:
+        self.total_steps = total_steps
+        self.console = console
+        self.sinks = list(sinks)
+        self._file: TextIO | None = None
+        if path is not None:
+            path = Path(path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(path, "a")
+
+    def log(self, record: dict[str, Any]) -> None:
+        for key, value in record.items():
+            if isinstance(value, float) and not math.isfinite(value):
+                logger.warning("step %s: %s is %s", record.get("step"), key, value)
+        if self._file is not None:
+            self._file.write(json.dumps(record, allow_nan=True) + "\n")
+            self._file.flush()
+        for sink in self.sinks:
+            sink.log(record)
+        if self.console is not None:
+            width = len(str(self.total_steps))
+            parts = [f"step {record.get('step', '?'):>{width}}/{self.total_steps}"]
+            for key in CONSOLE_FIELDS:
+                text = _format_field(key, record.get(key))
+                if text is not None:
+                    parts.append(text)
+            print(" | ".join(parts), file=self.console, flush=True)  # noqa: T201
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
+
+    def __enter__(self) -> MetricsLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """All records of a metrics.jsonl file."""
+    with open(path) as handle:
+        return [json.loads(line) for line in handle if line.strip()]
