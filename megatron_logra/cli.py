@@ -15,7 +15,6 @@ import logging
 import os
 import sys
 import warnings
-from typing import Any
 
 from megatron_logra.config import load_config
 
@@ -35,37 +34,12 @@ def _configure_logging() -> None:
         warnings.filterwarnings("ignore", message=pattern)
 
 
-# What `sft` means on top of `train`: supervised prompt -> answer data, and the final weights
-# written as a model-only checkpoint (<run.dir>/model) for an RL run's model.init_checkpoint.
-SFT_DEFAULTS: tuple[str, ...] = ("data.format=prompts", "run.save_model=true")
-# RL trains on prompts; its global batch is rl.prompts_per_step x rl.samples_per_prompt.
-RL_DEFAULTS: tuple[str, ...] = ("data.format=prompts",)
-
-
-def _derive_rl_batch(cfg: Any) -> None:
-    """RL's training batch is the step's rollouts: rl.prompts_per_step x rl.samples_per_prompt
-    (train.global_batch_size is derived from it); generation needs one model chunk per rank."""
-    cfg.train.global_batch_size = cfg.rl.global_batch
-    if cfg.parallel.vpp is not None:
-        raise ValueError(
-            f"parallel.vpp={cfg.parallel.vpp}: the rollout engine runs one model chunk per rank; "
-            "RL supports pipeline parallelism without virtual stages (drop parallel.vpp)"
-        )
-
-
 def _train(args: argparse.Namespace) -> int:
     from megatron_logra.mcore.process_groups import world_size_from_env
 
-    overrides = list(args.overrides)
-    if args.command == "sft":
-        overrides = [*SFT_DEFAULTS, *overrides]
-    elif args.command == "rl":
-        overrides = [*RL_DEFAULTS, *overrides]
     try:
-        cfg = load_config(args.config, overrides)
-        if args.command == "rl":
-            _derive_rl_batch(cfg)
-        cfg = cfg.resolved(world_size_from_env())
+        cfg = load_config(args.config, args.overrides, command=args.command)
+        cfg = cfg.resolved(world_size_from_env(), args.command)
     except ValueError as error:
         print(f"megatron-logra: configuration error: {error}", file=sys.stderr)
         return 2

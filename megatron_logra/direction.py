@@ -18,11 +18,10 @@ from typing import Any, Protocol
 
 import torch
 
+from megatron_logra.config import DIRECTIONS
 from megatron_logra.row_adam import row_adam_direction
 from megatron_logra.row_adam_paper import PaperRowAdamLayer, paper_row_adam_
 from megatron_logra.sketch_buffer import FlatSketchBuffer
-
-DIRECTIONS: tuple[str, ...] = ("row_adam", "sgd", "paper_row_adam")
 
 
 @dataclass(frozen=True)

@@ -158,7 +158,7 @@ def _config(args: argparse.Namespace, method: str, world: int) -> Any:
         f"parallel.tp={args.tp}", f"parallel.sp={str(args.sp).lower()}",
         f"parallel.device={args.device}",
         f"optimizer.name={OPTIMIZER_NAMES[method]}", f"optimizer.lr={args.lr}",
-        f"lora.rank={_lora_rank(args)}", f"lora.alpha={_lora_alpha(args)}", f"lora.seed={LORA_SEED}",
+        f"lora.lora_rank={_lora_rank(args)}", f"lora.alpha={_lora_alpha(args)}", f"lora.seed={LORA_SEED}",
         "optimizer.clip_grad=1.0", f"logra.sketch_rank={args.sketch_rank}",
         f"train.micro_batch_size={args.micro_batch_size}",
         f"train.global_batch_size={args.micro_batch_size * args.microbatches * dp}",

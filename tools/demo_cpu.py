@@ -63,7 +63,7 @@ DATA_SPEC = SyntheticDataSpec(num_train=20000, num_eval=1000, seed=0)
 # ceiling. It runs data-parallel (DP=2: one gradient all-reduce per
 # step, 1.5x faster than TP=2 on CPU); the RL runs load its checkpoint at TP=2.
 SFT_OVERRIDES: tuple[str, ...] = (
-    "parallel.tp=1", "optimizer.name=adam", "logra.kl_control=false", "optimizer.lr=1e-3",
+    "parallel.tp=1", "optimizer.name=adam", "logra.kl_control.enabled=false", "optimizer.lr=1e-3",
     "optimizer.adam_beta2=0.98", "optimizer.lr_warmup_steps=50",
     "optimizer.lr_decay_style=constant", "train.steps=600", "train.global_batch_size=128",
     "train.micro_batch_size=64",
@@ -71,7 +71,7 @@ SFT_OVERRIDES: tuple[str, ...] = (
 # The dense baseline: Megatron's Adam on every parameter (docs/LOG.md has the learning rates
 # tried); no KL controller (it sizes LoGRA updates only).
 DENSE_OVERRIDES: tuple[str, ...] = (
-    "optimizer.name=adam", "logra.kl_control=false", "optimizer.lr=3e-5",
+    "optimizer.name=adam", "logra.kl_control.enabled=false", "optimizer.lr=3e-5",
 )
 # Standard errors: z for the two-sided 95% interval printed next to the gain.
 Z_95 = 1.96
@@ -147,7 +147,7 @@ def print_kl_summary(run_dir: Path) -> None:
     predicted = [r["kl_predicted_scaled"] for r in steps]
     realised = [r["kl_realized"] for r in steps]
     ratio = sorted(r / p for r, p in zip(realised, predicted, strict=True) if p > 0)
-    alpha_max = cfg["kl_control"]["alpha_max"]
+    alpha_max = cfg["logra"]["kl_control"]["alpha_max"]
     lo, hi = ratio[len(ratio) // 10], ratio[(9 * len(ratio)) // 10]
     print(f"\nKL controller (LoGRA paper mode, update ratio {cfg['logra']['update_ratio']:g}, "
           f"{len(steps)} steps)")

@@ -22,16 +22,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-SUBCOMMANDS: tuple[str, ...] = ("train", "sft", "rl")
+from megatron_logra.config import COMMANDS, parse_override
 
-
-def _check_override(text: str) -> None:
-    # The same shape megatron_logra.config checks, repeated here because a submission host
-    # (a Slurm login node) need not have torch, which the config module pulls in.
-    key, sep, _ = text.partition("=")
-    parts = key.split(".")
-    if not sep or len(parts) != 2 or not all(part.strip() for part in parts):
-        raise ValueError(f"override {text!r} must look like section.key=value")
+SUBCOMMANDS: tuple[str, ...] = COMMANDS
 
 
 def _format_value(value: Any) -> str:
@@ -57,8 +50,10 @@ def cli_task(subcommand: str, config: str | Path, overrides: Sequence[str] = ())
         raise ValueError(
             f"overrides={overrides!r} is a string; pass a list such as [{overrides!r}]"
         )
+    # The CLI's own parser (torch-free, so a Slurm login node can run it): a misspelt key fails
+    # at submission, not after the allocation starts.
     for text in overrides:
-        _check_override(text)
+        parse_override(text)
     import nemo_run as run
 
     return run.Script(
@@ -94,13 +89,13 @@ def logra_rl_recipe(
     knobs = {
         "optimizer.name": "logra",
         "logra.mode": "paper",
-        "logra.kl_control": True,
+        "logra.kl_control.enabled": True,
         "logra.sketch_rank": sketch_rank,
         "logra.update_ratio": update_ratio,
-        "kl_control.kl_budget": kl_budget,
-        "kl_control.kl_budget_final": kl_budget_final,
-        "kl_control.schedule_steps": schedule_steps,
-        "kl_control.alpha_max": alpha_max,
+        "logra.kl_control.kl_budget": kl_budget,
+        "logra.kl_control.kl_budget_final": kl_budget_final,
+        "logra.kl_control.schedule_steps": schedule_steps,
+        "logra.kl_control.alpha_max": alpha_max,
     }
     recipe = [f"{key}={_format_value(value)}" for key, value in knobs.items()]
     return cli_task("rl", config, [*recipe, *overrides])

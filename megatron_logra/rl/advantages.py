@@ -34,34 +34,7 @@ from typing import Any
 
 import torch
 
-
-@dataclass(frozen=True, kw_only=True)
-class PaperAdvantageConfig:
-    """Knobs of the ``paper`` preset (defaults are the paper's)."""
-
-    failure_reward: float = -0.01
-    """Outcome of an incorrect response; slightly negative, so a batch with no correct response
-    still pushes probability away from what was sampled."""
-    running_baseline_weight: float = 0.1
-    """w in ``b <- (1 - w) b + w mean(o)``; in (0, 1]."""
-    response_length_reference: float | None = 1024.0
-    """L_ref in ``A_i * L_ref / L_i``; None turns length weighting off."""
-
-    def validate(self) -> None:
-        if not math.isfinite(self.failure_reward):
-            raise ValueError(f"failure_reward={self.failure_reward!r} must be a finite number")
-        if not 0.0 < self.running_baseline_weight <= 1.0:
-            raise ValueError(
-                f"running_baseline_weight={self.running_baseline_weight!r} must be in (0, 1]; "
-                "the paper uses 0.1"
-            )
-        if self.response_length_reference is not None and not (
-            math.isfinite(self.response_length_reference) and self.response_length_reference > 0
-        ):
-            raise ValueError(
-                f"response_length_reference={self.response_length_reference!r} must be a positive "
-                "number (the paper uses 1024) or None to turn length weighting off"
-            )
+from megatron_logra.config import PaperAdvantageConfig
 
 
 class RunningBaselineAdvantage:

@@ -30,11 +30,11 @@ Shape suffixes: B = responses in the microbatch, L = token positions.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+
+from megatron_logra.config import GrpoLossConfig, PaperLossConfig
 
 
 class TokenLoss(NamedTuple):
@@ -55,37 +55,6 @@ class MismatchSums(NamedTuple):
     """Scalar float64, detached."""
     num_tokens: torch.Tensor
     """Scalar int64."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class PaperLossConfig:
-    importance_weight_cap: float = 2.0
-    """Upper bound of the truncated importance weight ``min(pi_old / pi_rollout, cap)``."""
-
-    def validate(self) -> None:
-        if not (math.isfinite(self.importance_weight_cap) and self.importance_weight_cap > 0):
-            raise ValueError(
-                f"importance_weight_cap={self.importance_weight_cap!r} must be a positive number; "
-                "the paper uses 2"
-            )
-
-
-@dataclass(frozen=True, kw_only=True)
-class GrpoLossConfig:
-    clip_low: float = 0.2
-    """The ratio is clipped below at ``1 - clip_low``; in [0, 1)."""
-    clip_high: float = 0.2
-    """The ratio is clipped above at ``1 + clip_high``; >= 0."""
-    kl_beta: float = 0.0
-    """Weight of the k3 reference-KL penalty; 0 turns it off (no reference log-probs needed)."""
-
-    def validate(self) -> None:
-        if not 0.0 <= self.clip_low < 1.0:
-            raise ValueError(f"clip_low={self.clip_low!r} must be in [0, 1), e.g. 0.2")
-        if not (math.isfinite(self.clip_high) and self.clip_high >= 0.0):
-            raise ValueError(f"clip_high={self.clip_high!r} must be a number >= 0, e.g. 0.2")
-        if not (math.isfinite(self.kl_beta) and self.kl_beta >= 0.0):
-            raise ValueError(f"kl_beta={self.kl_beta!r} must be a number >= 0 (0 disables the KL)")
 
 
 def _check_token_tensor(name: str, tensor: torch.Tensor, shape: torch.Size) -> None:

@@ -37,7 +37,6 @@ parsed) gets a ``status`` saying which, is counted in ``stats``, and is then han
 from __future__ import annotations
 
 import logging
-import math
 import multiprocessing
 import re
 import time
@@ -48,6 +47,8 @@ from fractions import Fraction
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any, Protocol
+
+from megatron_logra.config import RewardConfig
 
 logger = logging.getLogger(__name__)
 
@@ -75,57 +76,6 @@ FAILURE_STATUSES: tuple[str, ...] = (
     STATUS_GRADER_ERROR,
 )
 ALL_STATUSES: tuple[str, ...] = (STATUS_GRADED, STATUS_NO_ANSWER, *FAILURE_STATUSES)
-
-FAILURE_POLICIES: tuple[str, ...] = ("zero_reward", "raise")
-# fork is left out: the trainer process holds threads and process-group sockets that a forked
-# child would inherit in an undefined state.
-START_METHODS: tuple[str, ...] = ("spawn", "forkserver")
-
-
-@dataclass(frozen=True, kw_only=True)
-class RewardConfig:
-    name: str = "exact_match"
-    """A key of ``REWARDS``."""
-    num_workers: int = 2
-    """math_verify: grading processes."""
-    batch_timeout_s: float = 60.0
-    """math_verify: wall-clock limit for grading one batch, counted once the pool is ready."""
-    startup_timeout_s: float = 60.0
-    """math_verify: limit for the workers to start and import math-verify."""
-    parsing_timeout_s: int = 5
-    """math_verify: its own per-parse alarm, whole seconds."""
-    verify_timeout_s: int = 5
-    """math_verify: its own per-comparison alarm, whole seconds."""
-    on_grader_failure: str = "zero_reward"
-    """What a failed grading does: ``zero_reward`` (warn, reward 0) or ``raise``."""
-    start_method: str = "spawn"
-    """math_verify: multiprocessing start method of the workers."""
-
-    def validate(self) -> None:
-        if self.name not in REWARDS:
-            raise ValueError(f"reward name={self.name!r} is unknown; choose one of {list(REWARDS)}")
-        if self.on_grader_failure not in FAILURE_POLICIES:
-            raise ValueError(
-                f"on_grader_failure={self.on_grader_failure!r} is not valid; choose one of "
-                f"{list(FAILURE_POLICIES)}"
-            )
-        if self.start_method not in START_METHODS:
-            raise ValueError(
-                f"start_method={self.start_method!r} is not valid; choose one of "
-                f"{list(START_METHODS)}"
-            )
-        if self.num_workers < 1:
-            raise ValueError(f"num_workers={self.num_workers!r} must be >= 1")
-        for name in ("batch_timeout_s", "startup_timeout_s"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"{name}={value!r} must be a positive number of seconds")
-        for name in ("parsing_timeout_s", "verify_timeout_s"):
-            value = getattr(self, name)
-            # signal.alarm counts whole seconds; 0 would disable math-verify's own timeout.
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be a whole number of seconds >= 1")
-
 
 @dataclass(frozen=True)
 class RewardResult:
@@ -343,7 +293,7 @@ class MathVerifyReward:
     def __init__(self, config: RewardConfig) -> None:
         config.validate()
         self.config = config
-        self._context = multiprocessing.get_context(config.start_method)
+        self._context = multiprocessing.get_context(config.math_verify.start_method)
         self._workers: list[_Worker] = []
         self._closed = False
 
@@ -372,7 +322,7 @@ class MathVerifyReward:
         self._start_workers()
         outcomes: list[tuple[str, bool, str] | None] = [None] * len(responses)
         pending = deque(range(len(responses)))
-        deadline = time.monotonic() + self.config.batch_timeout_s
+        deadline = time.monotonic() + self.config.math_verify.batch_timeout_s
         while any(outcome is None for outcome in outcomes):
             for worker in self._workers:
                 if worker.ready and worker.item is None and pending:
@@ -422,7 +372,7 @@ class MathVerifyReward:
         parent_conn, child_conn = self._context.Pipe(duplex=True)
         process = self._context.Process(
             target=_math_verify_worker,
-            args=(child_conn, self.config.parsing_timeout_s, self.config.verify_timeout_s),
+            args=(child_conn, self.config.math_verify.parsing_timeout_s, self.config.math_verify.verify_timeout_s),
             name="math-verify-worker",
             daemon=True,  # never outlive the trainer, even if close() is not called
         )
@@ -436,15 +386,15 @@ class MathVerifyReward:
             if not worker.process.is_alive():
                 self._stop(worker)
                 self._workers[slot] = self._spawn()
-        while len(self._workers) < self.config.num_workers:
+        while len(self._workers) < self.config.math_verify.num_workers:
             self._workers.append(self._spawn())
-        deadline = time.monotonic() + self.config.startup_timeout_s
+        deadline = time.monotonic() + self.config.math_verify.startup_timeout_s
         while not all(worker.ready for worker in self._workers):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise RuntimeError(
                     f"math-verify workers did not start within startup_timeout_s="
-                    f"{self.config.startup_timeout_s}; raise it on a slow or loaded machine"
+                    f"{self.config.math_verify.startup_timeout_s}; raise it on a slow or loaded machine"
                 )
             starting = [w for w in self._workers if not w.ready]
             wait([w.conn for w in starting] + [w.process.sentinel for w in starting], remaining)
@@ -500,7 +450,7 @@ class MathVerifyReward:
 
     def _expire(self, outcomes: list[tuple[str, bool, str] | None], pending: deque[int]) -> None:
         """At the deadline: kill and replace busy workers; mark what was not graded."""
-        detail = f"not graded within batch_timeout_s={self.config.batch_timeout_s}"
+        detail = f"not graded within batch_timeout_s={self.config.math_verify.batch_timeout_s}"
         for slot, worker in enumerate(self._workers):
             if worker.item is not None:
                 outcomes[worker.item] = (STATUS_BATCH_TIMEOUT, False, detail)
@@ -521,7 +471,8 @@ class MathVerifyReward:
         worker.process.close()
 
 
-REWARDS: dict[str, Callable[[RewardConfig], Reward]] = {
+# One class per name of megatron_logra.config.REWARDS.
+_REWARD_CLASSES: dict[str, Callable[[RewardConfig], Reward]] = {
     "exact_match": ExactMatchReward,
     "math_verify": MathVerifyReward,
 }
@@ -530,4 +481,4 @@ REWARDS: dict[str, Callable[[RewardConfig], Reward]] = {
 def build_reward(config: RewardConfig) -> Reward:
     """The reward named by ``config.name``."""
     config.validate()
-    return REWARDS[config.name](config)
+    return _REWARD_CLASSES[config.name](config)

@@ -31,6 +31,15 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def memory_bytes(device: object) -> int:
+    """Peak device memory of this process on a GPU, its peak resident set size on CPU."""
+    import torch
+
+    if getattr(device, "type", None) == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return peak_rss_bytes()
+
+
 def current_rss_bytes() -> int:
     with open("/proc/self/statm") as handle:
         resident_pages = int(handle.read().split()[1])

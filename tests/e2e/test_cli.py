@@ -74,7 +74,7 @@ def test_train_with_lora_keeps_grads_and_adam_state_for_the_adapters_only(synthe
                      "model.num_layers=1", f"model.hidden_size={hidden}",
                      "model.num_attention_heads=4", f"model.ffn_hidden_size={ffn}",
                      "model.activation=swiglu", "model.add_bias_linear=false",
-                     "optimizer.name=lora", f"lora.rank={lora_rank}", "optimizer.lr=0.01",
+                     "optimizer.name=lora", f"lora.lora_rank={lora_rank}", "optimizer.lr=0.01",
                      "train.steps=2", f"data.dir={synthetic_data_dir}", f"run.dir={run_dir}",
                      f"checkpoint.dir={tmp_path / 'ckpt'}"])
     # Full adapter elements, r * (in + out) per target: qkv (64 -> 192), proj (64 -> 64),

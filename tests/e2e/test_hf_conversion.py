@@ -398,12 +398,12 @@ def _run_config(converted_dir: Path, path: Path) -> Path:
         "parallel": {"device": "cpu"},
         "optimizer": {"name": "logra", "lr": 1e-3, "lr_warmup_steps": 0},
         "logra": {"sketch_rank": 8},
-        "train": {"steps": 1, "global_batch_size": len(PROBLEMS), "micro_batch_size": 4},
+        "train": {"steps": 1, "micro_batch_size": 4},
         "data": {"format": "prompts", "tokenizer": str(converted_dir / "tokenizer")},
-        "rl": {"prompts_per_step": 4, "max_new_tokens": 4, "eval_interval": 0,
-               "eval_prompts": 4, "eval_samples": 1},
-        "kl_control": {"probe_responses": 4},
+        "rl": {"prompts_per_step": 4, "sampling": {"max_new_tokens": 4},
+               "eval": {"interval": 0, "prompts": 4, "samples": 1}},
     }
+    config["logra"]["kl_control"] = {"probe_responses": 4}
     path.write_text(yaml.safe_dump(config))
     return path
 
@@ -439,8 +439,10 @@ def test_sft_from_a_converted_model_with_its_tokenizer_starts_at_the_hf_loss(
 
     data = _prompt_data(tmp_path / "data")
     config = _run_config(converted["qwen"], tmp_path / "run.yaml")
+    # The SFT batch is every problem; an RL batch is its rollouts (rl.prompts_per_step).
     run_torchrun(2, ["-m", "megatron_logra", "sft", str(config), "parallel.tp=2",
-                     f"data.dir={data}", f"run.dir={tmp_path / 'sft'}"])
+                     f"train.global_batch_size={len(PROBLEMS)}", f"data.dir={data}",
+                     f"run.dir={tmp_path / 'sft'}"])
     loss = read_metrics(tmp_path / "sft" / "metrics.jsonl")[0]["loss"]
     want = _hf_answer_loss(hf_models["qwen"], converted["qwen"] / "tokenizer")
     assert abs(loss - want) <= SFT_LOSS_REL_TOL * want, (loss, want)
@@ -458,7 +460,7 @@ def test_rl_from_a_converted_model_with_its_tokenizer_takes_a_kl_controlled_step
     data = _prompt_data(tmp_path / "data")
     config = _run_config(converted["qwen"], tmp_path / "run.yaml")
     run_torchrun(1, ["-m", "megatron_logra", "rl", str(config), f"data.dir={data}",
-                     "logra.kl_control=true", f"run.dir={tmp_path / 'rl'}"])
+                     "logra.kl_control.enabled=true", f"run.dir={tmp_path / 'rl'}"])
     assert HFTokenizer(converted["qwen"] / "tokenizer").vocab_size < 256
     record = read_metrics(tmp_path / "rl" / "metrics.jsonl")[-1]
     assert record["step"] == 1

@@ -34,10 +34,10 @@ BASE = [
     "model.num_attention_heads=4", "model.ffn_hidden_size=128", "model.seq_length=32",
     "model.activation=swiglu", "model.normalization=RMSNorm", "model.add_bias_linear=false",
     f"train.steps={STEPS}", "train.global_batch_size=8", "train.micro_batch_size=4",
-    "optimizer.name=logra", "logra.sketch_rank=8", "logra.mode=paper", "logra.kl_control=true",
-    "logra.update_ratio=3e-2", "kl_control.kl_budget=2e-4", "kl_control.kl_budget_final=2e-4",
+    "optimizer.name=logra", "logra.sketch_rank=8", "logra.mode=paper", "logra.kl_control.enabled=true",
+    "logra.update_ratio=3e-2", "logra.kl_control.kl_budget=2e-4", "logra.kl_control.kl_budget_final=2e-4",
     # Probe sequences 0-5 of the global batch: split 4 + 2 over the two DP ranks at DP=2.
-    "kl_control.probe_responses=6",
+    "logra.kl_control.probe_responses=6",
     # fp32 factors for the layout comparisons (bf16 rounding of the factor can flip an ulp
     # between layouts); the bf16 default is exercised by the budget tests below.
     "logra.update_factor_dtype=fp32", "run.save_full_weights=true",
@@ -120,8 +120,8 @@ def test_budget_holds_when_the_proposed_step_is_100x_too_large(synthetic_data_di
 def test_budget_schedule_and_mismatch_follow_the_controller_arithmetic(synthetic_data_dir, root):
     b0, b_final, horizon, gap, weight, floor = 4e-4, 1e-4, 4, 5e-5, 0.3, 0.5
     run = _run("schedule", 1, [
-        f"kl_control.kl_budget={b0}", f"kl_control.kl_budget_final={b_final}",
-        f"kl_control.schedule_steps={horizon}", f"kl_control.mismatch_input={gap}",
+        f"logra.kl_control.kl_budget={b0}", f"logra.kl_control.kl_budget_final={b_final}",
+        f"logra.kl_control.schedule_steps={horizon}", f"logra.kl_control.mismatch_input={gap}",
     ], synthetic_data_dir, root)
     mismatch = 0.0
     for k, record in enumerate(read_metrics(run / "metrics.jsonl")):
@@ -151,7 +151,7 @@ def test_poisoned_sketch_raises_and_leaves_every_weight_untouched(nproc, mode,
 
 
 def test_controller_state_survives_resume(synthetic_data_dir, root):
-    extra = ["kl_control.mismatch_input=3e-5", "optimizer.use_distributed_optimizer=true"]
+    extra = ["logra.kl_control.mismatch_input=3e-5", "optimizer.use_distributed_optimizer=true"]
     full = root / "resume_full"
     run_torchrun(2, ["-m", "megatron_logra", "train", str(CONFIG), *BASE, *extra,
                      f"data.dir={synthetic_data_dir}", f"run.dir={full}"])

@@ -249,10 +249,10 @@ def test_slurm_sbatch_script_asks_for_the_nodes_and_gpus_and_runs_torchrun_of_th
     assert torchrun[torchrun.index("--nproc-per-node") + 1] == "4"
     assert torchrun[torchrun.index("-m"):] == [
         "-m", "megatron_logra", "rl", "configs/rl.yaml", "optimizer.name=logra", "logra.mode=paper",
-        "logra.kl_control=true", "logra.sketch_rank=128", "logra.update_ratio=6e-05",
-        "kl_control.kl_budget=0.0002",
-        "kl_control.kl_budget_final=2e-05", "kl_control.schedule_steps=300",
-        "kl_control.alpha_max=3.0", "train.steps=3",
+        "logra.kl_control.enabled=true", "logra.sketch_rank=128", "logra.update_ratio=6e-05",
+        "logra.kl_control.kl_budget=0.0002",
+        "logra.kl_control.kl_budget_final=2e-05", "logra.kl_control.schedule_steps=300",
+        "logra.kl_control.alpha_max=3.0", "train.steps=3",
     ]
     # A dry run: nothing was copied to (or created in) the cluster's job directory.
     assert not cluster_job_dir.exists()
@@ -268,11 +268,11 @@ def test_slurm_sbatch_script_asks_for_the_nodes_and_gpus_and_runs_torchrun_of_th
           "optimizer.lr=1e-5"]),
         # The caller's overrides come last, so they win over the recipe's knobs.
         (lambda: logra_rl_recipe("c.yaml", ["logra.sketch_rank=64"], kl_budget=1e-3),
-         ["rl", "c.yaml", "optimizer.name=logra", "logra.mode=paper", "logra.kl_control=true",
+         ["rl", "c.yaml", "optimizer.name=logra", "logra.mode=paper", "logra.kl_control.enabled=true",
           "logra.sketch_rank=256",
-          "logra.update_ratio=6e-05", "kl_control.kl_budget=0.001",
-          "kl_control.kl_budget_final=2e-05", "kl_control.schedule_steps=300",
-          "kl_control.alpha_max=3.0", "logra.sketch_rank=64"]),
+          "logra.update_ratio=6e-05", "logra.kl_control.kl_budget=0.001",
+          "logra.kl_control.kl_budget_final=2e-05", "logra.kl_control.schedule_steps=300",
+          "logra.kl_control.alpha_max=3.0", "logra.sketch_rank=64"]),
     ],
 )
 def test_recipes_run_the_cli_with_their_knobs_before_the_callers_overrides(recipe, expected):

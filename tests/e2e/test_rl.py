@@ -27,9 +27,9 @@ STEPS = 3
 BASE = [
     "parallel.tp=1", "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
     "model.ffn_hidden_size=128", "model.seq_length=32", f"train.steps={STEPS}",
-    "train.micro_batch_size=4", "rl.prompts_per_step=8", "rl.max_new_tokens=5",
-    "rl.eval_interval=2", "rl.eval_prompts=8", "rl.eval_samples=2",
-    "kl_control.probe_responses=4", "logra.update_ratio=3e-2",
+    "train.micro_batch_size=4", "rl.prompts_per_step=8", "rl.sampling.max_new_tokens=5",
+    "rl.eval.interval=2", "rl.eval.prompts=8", "rl.eval.samples=2",
+    "logra.kl_control.probe_responses=4", "logra.update_ratio=3e-2",
 ]
 STEP_FIELDS = (
     "loss", "reward", "accuracy", "response_length", "grad_norm", "kl_predicted",
@@ -119,8 +119,8 @@ def test_rl_samples_rewards_and_updates_are_layout_invariant(layout, nproc, over
 
 
 def test_grpo_with_reference_kl_is_on_policy(synthetic_data_dir, root):
-    run = _rl("grpo", 1, ["rl.loss=grpo", "rl.samples_per_prompt=4", "rl.prompts_per_step=4",
-                          "rl.kl_beta=0.01", "logra.mode=library", "logra.kl_control=false"],
+    run = _rl("grpo", 1, ["rl.loss.name=grpo", "rl.samples_per_prompt=4", "rl.prompts_per_step=4",
+                          "rl.loss.grpo.kl_beta=0.01", "logra.mode=library", "logra.kl_control.enabled=false"],
               synthetic_data_dir, root)
     for record in read_metrics(run / "metrics.jsonl")[1:]:
         # One update per batch of rollouts: the trainer's "old" policy is the current one.

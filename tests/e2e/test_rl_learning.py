@@ -60,7 +60,7 @@ def rl_run(tmp_path_factory) -> Path:
                               *DEMO.SFT_OVERRIDES, f"run.dir={sft_dir}"])
     run_torchrun(DEMO.NPROC, [*common, "rl", str(CONFIG), f"data.dir={data_dir}",
                               f"model.init_checkpoint={sft_dir / 'model'}",
-                              f"train.steps={RL_STEPS}", "rl.eval_interval=0",
+                              f"train.steps={RL_STEPS}", "rl.eval.interval=0",
                               f"run.dir={rl_dir}"])
     return rl_dir
 

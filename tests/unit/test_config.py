@@ -83,9 +83,10 @@ def test_later_override_wins():
     assert load_config(None, ["train.steps=3", "train.steps=5"]).train.steps == 5
 
 
-def test_parse_override_splits_section_key_and_yaml_value():
-    assert parse_override("optimizer.clip_grad=0.5") == ("optimizer", "clip_grad", 0.5)
-    assert parse_override("run.dir=a=b") == ("run", "dir", "a=b")
+def test_parse_override_splits_dotted_key_and_yaml_value():
+    assert parse_override("optimizer.clip_grad=0.5") == (("optimizer", "clip_grad"), 0.5)
+    assert parse_override("run.dir=a=b") == (("run", "dir"), "a=b")
+    assert parse_override("rl.loss.grpo.clip_low=0.3") == (("rl", "loss", "grpo", "clip_low"), 0.3)
 
 
 def test_load_config_reads_yaml_file_and_applies_overrides_on_top(tmp_path):
@@ -163,9 +164,9 @@ def test_num_microbatches_of_unresolved_config_raises_runtime_error():
         (["logra.mode=rpga"], ["logra.mode='rpga'"]),
         (["logra.update_factor_dtype=fp16"], ["logra.update_factor_dtype='fp16'"]),
         (["logra.update_ratio=0"], ["logra.update_ratio=0.0", "> 0"]),
-        (["logra.kl_control=true"], ["logra.kl_control=true", "optimizer.name=logra"]),
-        (["kl_control.schedule_steps=1"], ["kl_control.schedule_steps=1"]),
-        (["kl_control.temperature=0"], ["kl_control.temperature=0.0"]),
+        (["logra.kl_control.enabled=true"], ["logra.kl_control.enabled=true", "optimizer.name=logra"]),
+        (["logra.kl_control.schedule_steps=1"], ["logra.kl_control.schedule_steps=1"]),
+        (["logra.kl_control.temperature=0"], ["logra.kl_control.temperature=0.0"]),
         (["logra.distribution=uniform"], ["logra.distribution='uniform'"]),
         (["logra.direction=adamw"], ["logra.direction='adamw'"]),
         (["logra.native_optimizer=logra"], ["logra.native_optimizer='logra'"]),

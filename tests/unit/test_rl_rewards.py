@@ -17,9 +17,9 @@ import time
 
 import pytest
 
+from megatron_logra.config import REWARDS, MathVerifyConfig
 from megatron_logra.data.synthetic import generate_problems
 from megatron_logra.rl.rewards import (
-    REWARDS,
     STATUS_BATCH_TIMEOUT,
     STATUS_GOLD_UNPARSED,
     STATUS_GRADED,
@@ -47,9 +47,16 @@ KILL_AFTER_S = 0.3
 DEADLINE_SLACK_S = 5.0
 
 
+def _config(**settings) -> RewardConfig:
+    """A RewardConfig from flat settings: the grader pool's go to its math_verify section."""
+    pool = {k: settings.pop(k) for k in list(settings)
+            if k in MathVerifyConfig.__dataclass_fields__}
+    return RewardConfig(**settings, math_verify=MathVerifyConfig(**pool))
+
+
 @pytest.fixture(scope="module")
 def math_verify_reward():
-    reward = MathVerifyReward(RewardConfig(name="math_verify", num_workers=2))
+    reward = MathVerifyReward(_config(name="math_verify", num_workers=2))
     yield reward
     reward.close()
 
@@ -116,7 +123,7 @@ def test_rewards_reject_non_text_responses_naming_them():
 
 
 def test_registry_builds_each_reward_by_name():
-    assert set(REWARDS) == {"exact_match", "math_verify"}
+    assert REWARDS == ("exact_match", "math_verify")
     assert isinstance(build_reward(RewardConfig(name="exact_match")), ExactMatchReward)
     reward = build_reward(RewardConfig(name="math_verify"))
     try:
@@ -132,7 +139,7 @@ def test_registry_builds_each_reward_by_name():
 )
 def test_reward_config_rejects_invalid_values_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
-        RewardConfig(**{field: value}).validate()
+        _config(**{field: value}).validate()
 
 
 # --- math_verify: answer formats ---------------------------------------------------------------
@@ -184,7 +191,7 @@ def test_math_verify_unparsable_reference_is_counted_and_scored_zero_by_logged_p
 
 def test_math_verify_raise_policy_raises_on_grader_failure():
     with MathVerifyReward(
-        RewardConfig(name="math_verify", num_workers=1, on_grader_failure="raise")
+        _config(name="math_verify", num_workers=1, on_grader_failure="raise")
     ) as reward:
         with pytest.raises(RuntimeError, match="grading failed for 1 of 1 responses"):
             reward.score([r"\boxed{2}"], [""])
@@ -194,8 +201,7 @@ def test_math_verify_raise_policy_raises_on_grader_failure():
 
 
 def test_math_verify_own_timeout_is_counted_as_grader_timeout():
-    config = RewardConfig(
-        name="math_verify", num_workers=1, parsing_timeout_s=1, verify_timeout_s=1
+    config = _config(name="math_verify", num_workers=1, parsing_timeout_s=1, verify_timeout_s=1
     )
     with MathVerifyReward(config) as reward:
         result = reward.score([SLOW_ANSWER, r"\boxed{2}"], ["1", "2"])
@@ -206,8 +212,7 @@ def test_math_verify_own_timeout_is_counted_as_grader_timeout():
 
 
 def test_batch_deadline_kills_a_hung_worker_and_counts_batch_timeouts():
-    config = RewardConfig(
-        name="math_verify", num_workers=1, batch_timeout_s=SHORT_BATCH_TIMEOUT_S,
+    config = _config(name="math_verify", num_workers=1, batch_timeout_s=SHORT_BATCH_TIMEOUT_S,
         parsing_timeout_s=LONG_INNER_TIMEOUT_S, verify_timeout_s=LONG_INNER_TIMEOUT_S,
     )
     with MathVerifyReward(config) as reward:
@@ -227,8 +232,7 @@ def test_batch_deadline_kills_a_hung_worker_and_counts_batch_timeouts():
 
 
 def test_worker_killed_mid_grading_is_counted_as_crash_and_replaced():
-    config = RewardConfig(
-        name="math_verify", num_workers=1,
+    config = _config(name="math_verify", num_workers=1,
         parsing_timeout_s=LONG_INNER_TIMEOUT_S, verify_timeout_s=LONG_INNER_TIMEOUT_S,
     )
     with MathVerifyReward(config) as reward:
@@ -248,7 +252,7 @@ def test_worker_killed_mid_grading_is_counted_as_crash_and_replaced():
 
 
 def test_score_after_close_raises():
-    reward = MathVerifyReward(RewardConfig(name="math_verify", num_workers=1))
+    reward = MathVerifyReward(_config(name="math_verify", num_workers=1))
     reward.close()
     with pytest.raises(RuntimeError, match="after close"):
         reward.score(["1"], ["1"])

@@ -31,11 +31,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
 from megatron_logra.mcore.models.sharding import unwrap_model
 from megatron_logra.mcore.process_groups import ParallelGroups
+from megatron_logra.mcore.training.forward_backward import forward_backward
 
 
 def _check_temperature(temperature: float) -> None:
@@ -195,23 +195,16 @@ def compute_token_logprobs(
         )
         for start in range(0, size, micro_batch_size)
     ]
-    iterators = [iter(microbatches) for _ in model_chunks]
     modes = [module.training for chunk in model_chunks for module in chunk.modules()]
     for chunk in model_chunks:
         chunk.eval()
     try:
         with torch.no_grad():
-            collected = get_forward_backward_func()(
-                forward_step_func=functools.partial(
-                    _forward_step, temperature=temperature, vocab_size=vocab_size,
-                    tp_rank=groups.tp_rank,
-                ),
-                data_iterator=iterators if len(iterators) > 1 else iterators[0],
-                model=list(model_chunks),
-                num_microbatches=num_microbatches,
-                seq_length=length,
-                micro_batch_size=micro_batch_size,
-                forward_only=True,
+            collected = forward_backward(
+                model_chunks, microbatches,
+                functools.partial(_forward_step, temperature=temperature, vocab_size=vocab_size,
+                                  tp_rank=groups.tp_rank),
+                seq_length=length, micro_batch_size=micro_batch_size, forward_only=True,
                 collect_non_loss_data=True,
             )
     finally:

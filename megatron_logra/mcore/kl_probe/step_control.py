@@ -17,13 +17,20 @@ Why forward-mode AD rather than finite differences: at realistic step sizes (~1e
 fp32 finite differences carry 1e-4..1e-3 relative error and bf16 ones are useless, while the JVP is
 exact to rounding at every layout (measured in docs/LOG.md and tests/distributed).
 
+It is the LoGRA optimizer's step scale (``megatron_logra.step_scale.StepScale``): the optimizer,
+built with it, calls it with each prepared :class:`~megatron_logra.step_scale.ProposedUpdate` and
+checkpoints its state; the trainer only gives it each step's probe batch and the measured
+rollout/trainer mismatch, and reads its metrics after the step.
+
 Every rank calls every method (the forwards are collective); the numbers returned are identical on
 all ranks.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,8 +44,9 @@ from megatron_logra.mcore.kl_probe.logit_jvp import (
     logit_jvp,
     probe_logits,
 )
-from megatron_logra.mcore.optimizer.logra import LoGRAOptimizer
+from megatron_logra.mcore.models.targets import SketchTarget
 from megatron_logra.mcore.process_groups import ParallelGroups
+from megatron_logra.step_scale import ProposedUpdate
 
 
 @dataclass(frozen=True)
@@ -57,21 +65,34 @@ class ProbeBatch:
 
 
 class KLStepControl:
-    """Owns the controller state and the probe; call it with the LoGRA optimizer to get alpha."""
+    """Owns the controller state and the probe; called with a proposed update, returns alpha.
+
+    Args:
+        model_chunks: this rank's (DDP-wrapped) model chunks.
+        targets: the sketched linears the proposals' directions belong to.
+        settings: the run's logra.kl_control section (resolved: its temperature is set).
+        groups: process groups of this rank.
+        vocab_size: the tokenizer's vocabulary (padded ids are excluded from the softmax).
+    """
 
     def __init__(
         self,
-        model_chunks: list[torch.nn.Module],
+        model_chunks: Sequence[torch.nn.Module],
+        targets: Sequence[SketchTarget],
         *,
         settings: KLControlConfig,
         groups: ParallelGroups,
         vocab_size: int,
     ) -> None:
-        self.model_chunks = model_chunks
+        if settings.temperature is None:
+            raise RuntimeError("KLStepControl needs a resolved config (Config.resolved sets "
+                               "logra.kl_control.temperature)")
+        self.model_chunks = list(model_chunks)
+        self.targets = list(targets)
         self.groups = groups
         self.temperature = settings.temperature
         self.vocab_size = vocab_size
-        self.controller = KLController(settings.settings())
+        self.controller = KLController(settings)
         self.pipeline = (
             PipelinePosition(groups.pp_rank, groups.pp_size, groups.pp)
             if groups.pp_size > 1 else None
@@ -105,20 +126,26 @@ class KLStepControl:
             raise RuntimeError(f"no probe tokens on any rank to measure the {what} KL")
         return float(total[0] / total[1])
 
+    def state_dict(self) -> dict[str, Any]:
+        return self.controller.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.controller.load_state_dict(state)
+
     @torch.no_grad()
-    def __call__(self, logra: LoGRAOptimizer) -> float:
-        """The step scale alpha for ``logra``'s prepared update (collective)."""
+    def __call__(self, proposal: ProposedUpdate) -> float:
+        """The step scale alpha for a prepared update (collective)."""
         if self.batch is None:
             raise RuntimeError("KLStepControl has no probe batch for this step (set_batch)")
         proposals = {key: LowRankDirection(left, right)
-                     for key, (left, right) in logra.proposed_directions().items()}
+                     for key, (left, right) in proposal.directions.items()}
         result = None
         # A DP replica holding none of the global probe sequences skips the forward; all ranks
         # of its model-parallel group hold the same (empty) batch, so they skip together.
         if self.batch.tokens.shape[0] > 0:
             result = logit_jvp(
                 self.model_chunks, self.batch.tokens, self.batch.position_ids,
-                targets=logra.targets, directions=proposals, pipeline=self.pipeline,
+                targets=self.targets, directions=proposals, pipeline=self.pipeline,
             )
         local = None
         self._logits_before = None
@@ -129,7 +156,8 @@ class KLStepControl:
             )
             self._logits_before = result.logits
         predicted = self._global_mean(local, "predicted")
-        self.decision = self.controller.decide(predicted, completed_updates=logra.update_count)
+        self.decision = self.controller.decide(predicted,
+                                               completed_updates=proposal.completed_updates)
         return self.decision.alpha
 
     @torch.no_grad()

@@ -4,13 +4,8 @@
 projections, the direction rule's state (RowAdam row moments) and the update count. It follows
 Megatron's ``MegatronOptimizer`` contract (``prepare_grads`` / ``step_with_ready_grads`` /
 ``zero_grad`` / ``param_groups`` for the LR scheduler / ``state_dict``), so it chains with the
-DDP-backed Adam or SGD that trains the embeddings, norms, biases and output layer.
-
-:class:`LoGRAChainedOptimizer` is Megatron's ``ChainedOptimizer`` with one change: the global
-gradient norm counts every sketch as the gradient it stands for, the reconstructed ``S A``
-(computed through ``A A^T``, never by reconstruction), so a single norm and a single clip
-coefficient cover dense and sketched parameters alike. With ``A = I`` that norm is exactly the
-dense gradient norm of an ordinary Megatron run.
+DDP-backed Adam or SGD that trains the embeddings, norms, biases and output layer
+(:mod:`megatron_logra.mcore.optimizer.chained`).
 
 Step anatomy (driven by Megatron's schedule and the training loop):
 
@@ -20,38 +15,34 @@ Step anatomy (driven by Megatron's schedule and the training loop):
    Megatron's own DP reduction, :meth:`LoGRAOptimizer.reduce_sketches` sums the buffer over DP
    (and row-parallel partials over TP) and applies the same scaling Megatron applied to the
    dense gradients (1/num_tokens, or 1/dp).
-4. ``step``: global norm -> clip -> direction (in place) -> ``W <- (1 - lr wd) W - lr D A`` ->
-   ``update_count += 1`` -> fresh projections.
+4. ``step``: global norm -> clip -> direction (in place) -> scale (the step scale's, e.g. the
+   predicted-KL controller's) -> ``W <- (1 - lr wd) W - lr D A`` -> ``update_count += 1`` ->
+   fresh projections.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
-from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
-from megatron.core.optimizer.optimizer import ChainedOptimizer, MegatronOptimizer
+from megatron.core.optimizer.optimizer import MegatronOptimizer
 from torch import distributed as dist
 
 from megatron_logra.config import LoGRAConfig
-from megatron_logra.controller import KLController
-from megatron_logra.direction import (
-    DirectionContext,
-    DirectionRule,
-    RowAdamDirection,
-    make_direction_rule,
-)
+from megatron_logra.direction import DirectionContext, DirectionRule, make_direction_rule
+from megatron_logra.logra_mode import LoGRAMode
 from megatron_logra.master_weights import RowShardedMaster
 from megatron_logra.mcore.models.targets import SketchTarget
+from megatron_logra.mcore.optimizer.logra_state import load_sharded_state, sharded_state_dict
 from megatron_logra.mcore.process_groups import ParallelGroups
 from megatron_logra.mcore.tensor_parallel.sketched_linear import LayerSketch
 from megatron_logra.projection import generate_projection, projection_key
-from megatron_logra.row_adam_paper import update_ratio_scale
 from megatron_logra.sketch import apply_low_rank_update_, reconstructed_sq_norm
 from megatron_logra.sketch_buffer import FlatSketchBuffer, SketchSlot
+from megatron_logra.step_scale import ProposedUpdate, StepScale
 
 
 class _TargetParamGroups(torch.optim.Optimizer):
@@ -69,7 +60,7 @@ class _TargetParamGroups(torch.optim.Optimizer):
 
 
 class LoGRAOptimizer(MegatronOptimizer):
-    """Sketch-based updates of this rank's target weights (library mode).
+    """Sketch-based updates of this rank's target weights.
 
     Two precision modes for the target weights (``logra.master_weights``):
 
@@ -79,12 +70,19 @@ class LoGRAOptimizer(MegatronOptimizer):
       whole rows. The sketch buffer is reduce-scattered, each rank applies RowAdam and the update
       to the rows it owns, and the updated bf16 rows are all-gathered.
 
+    Behaviour is chosen at construction and fixed for the run: the ``mode`` (library or paper:
+    how directions are sized and merged) and an optional ``step_scale`` that sizes every
+    prepared update before it is applied (the predicted-KL step control); its state is saved
+    in this optimizer's checkpoint.
+
     Args:
         targets: the sketched linears on this rank (their weights must be frozen to autograd).
         logra: the run's LoGRA section.
+        mode: the strategy object of ``logra.mode`` (``megatron_logra.logra_mode``).
         config: the Megatron optimizer config shared with the chained native optimizer (lr,
             weight decay and clip_grad come from it and from the scheduler).
         groups: process groups of this rank.
+        step_scale: chooses the scale of each prepared update (None: scale 1).
     """
 
     def __init__(
@@ -92,8 +90,10 @@ class LoGRAOptimizer(MegatronOptimizer):
         targets: Sequence[SketchTarget],
         *,
         logra: LoGRAConfig,
+        mode: LoGRAMode,
         config: MegatronOptimizerConfig,
         groups: ParallelGroups,
+        step_scale: StepScale | None = None,
     ) -> None:
         if not targets:
             raise ValueError("LoGRAOptimizer needs at least one target on this rank")
@@ -117,6 +117,8 @@ class LoGRAOptimizer(MegatronOptimizer):
         self.is_stub_optimizer = False
         self.targets = list(targets)
         self.logra = logra
+        self.mode = mode
+        self.step_scale = step_scale
         self.groups = groups
         self.update_count = 0
         self.compute_dtype = weight_dtype
@@ -142,7 +144,7 @@ class LoGRAOptimizer(MegatronOptimizer):
         # ones hold distinct rows on every DP rank as well.
         self.stats_group = None if sharded else groups.mp
         self.direction: DirectionRule = make_direction_rule(
-            logra.resolved_direction, self.sketches, beta2=logra.beta2, eps=logra.eps
+            mode.direction(logra.direction), self.sketches, beta2=logra.beta2, eps=logra.eps
         )
         # Groups holding a layer's rows (for per-layer row statistics of the paper's RowAdam):
         # column-parallel rows are split over TP (and DP when sharded), row-parallel rows over
@@ -154,9 +156,6 @@ class LoGRAOptimizer(MegatronOptimizer):
         }
         self._prepared = False
         self.last_update_scale: float | None = None
-        # Set by the trainer when a KL controller sizes the updates; checkpointed with LoGRA.
-        self.kl_controller: KLController | None = None
-        self.paper_update_scale: float | None = None
         for target in self.targets:
             target.module.logra_sketch = LayerSketch(
                 target.layer_key, self._projection(target), self.sketches
@@ -317,9 +316,9 @@ class LoGRAOptimizer(MegatronOptimizer):
     def prepare_update(self) -> None:
         """Turn the reduced sketches into this step's directions ``D`` (in place).
 
-        Paper mode also scales all directions jointly so that the proposed update ``-sum D A``
-        has norm ``update_ratio * ||W_targets||``. Nothing is applied yet: a controller may
-        look at the proposal (:meth:`proposed_directions`) and choose its scale first.
+        The mode may then scale all directions jointly (paper mode: so that the proposed update
+        ``-sum D A`` has norm ``update_ratio * ||W_targets||``). Nothing is applied yet: the
+        step scale, if any, looks at the proposal first (:meth:`decide_scale`).
         """
         if self._prepared:
             raise RuntimeError("an update is already prepared; apply it before preparing another")
@@ -327,14 +326,10 @@ class LoGRAOptimizer(MegatronOptimizer):
             self.sketches,
             DirectionContext(step=self.update_count + 1, row_groups=self.row_groups),
         )
-        self.paper_update_scale = None
-        if self.logra.mode == "paper":
-            weight_sq = self._weight_sq_norm()
-            direction_sq = self.sketch_sq_norm()
-            kappa = update_ratio_scale(weight_sq, direction_sq, self.logra.update_ratio)
+        kappa = self.mode.proposal_scale(self._weight_sq_norm, self.sketch_sq_norm)
+        if kappa is not None:
             for segment in self.sketches.owned_segments():
                 segment.mul_(kappa)
-            self.paper_update_scale = kappa
         self._prepared = True
 
     @torch.no_grad()
@@ -350,18 +345,14 @@ class LoGRAOptimizer(MegatronOptimizer):
         return float(local.item())
 
     def _step_size(self) -> tuple[float, float]:
-        """``(lr, weight_decay)`` of the update: the scheduler's in library mode; the paper's
-        update has no learning rate (the update ratio and the KL controller size it) and no
-        weight decay."""
-        if self.logra.mode == "paper":
-            return 1.0, 0.0
+        """``(lr, weight_decay)`` of the update, as the mode takes them from the scheduler."""
         group = self.param_groups[0]
-        return float(group["lr"]), float(group["weight_decay"])
+        return self.mode.step_size(float(group["lr"]), float(group["weight_decay"]))
 
     @torch.no_grad()
-    def proposed_directions(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """``{layer_key: (left, right)}`` with ``left @ right`` this rank's local weight change
-        of the prepared update at scale 1 (weight decay aside): ``left = -lr D``, ``right = A``.
+    def proposal(self) -> ProposedUpdate:
+        """The prepared update at scale 1 (weight decay aside), per target ``left = -lr D``,
+        ``right = A``; collective over DP.
 
         With DP-sharded masters each rank holds only its own rows of D; the directions are then
         all-gathered over DP once (sketch-sized), since every rank probes its own sequences
@@ -371,12 +362,19 @@ class LoGRAOptimizer(MegatronOptimizer):
             raise RuntimeError("prepare_update() first")
         lr, _ = self._step_size()
         full = self.sketches.gathered_data(dp_group=self.groups.dp)
-        proposals = {}
+        directions = {}
         for target in self.targets:
             pieces = self.sketches.pieces(target.layer_key, data=full)
             rows = torch.cat([piece.view for piece in pieces], dim=0)
-            proposals[target.layer_key] = (rows.mul(-lr), self.projection_of(target))
-        return proposals
+            directions[target.layer_key] = (rows.mul(-lr), self.projection_of(target))
+        return ProposedUpdate(directions=directions, completed_updates=self.update_count)
+
+    @torch.no_grad()
+    def decide_scale(self) -> float:
+        """The scale of the prepared update: the step scale's choice, or 1 without one."""
+        if self.step_scale is None:
+            return 1.0
+        return self.step_scale(self.proposal())
 
     @torch.no_grad()
     def apply_update(self, scale: float = 1.0) -> None:
@@ -390,14 +388,10 @@ class LoGRAOptimizer(MegatronOptimizer):
         if not math.isfinite(scale) or scale < 0.0:
             raise RuntimeError(f"refusing to apply an update with scale {scale}")
         lr, weight_decay = self._step_size()
-        round_factor = self.logra.mode == "paper" and self.logra.update_factor_dtype == "bf16"
         for target in self.targets:
-            direction = self.sketches.owned_view(target.layer_key)
-            if round_factor:
-                direction = (direction * scale).to(torch.bfloat16).float()
-                step_lr = lr
-            else:
-                step_lr = lr * scale
+            direction, step_lr = self.mode.merge_factor(
+                self.sketches.owned_view(target.layer_key), scale, lr
+            )
             projection = self.projection_of(target)
             master = self.masters.get(target.layer_key)
             # (1 - step_lr * wd) with step_lr = scale * lr: the decay is scaled with the step
@@ -418,7 +412,7 @@ class LoGRAOptimizer(MegatronOptimizer):
     @torch.no_grad()
     def step_with_ready_grads(self) -> bool:
         self.prepare_update()
-        self.apply_update(1.0)
+        self.apply_update(self.decide_scale())
         return True
 
     @torch.no_grad()
@@ -450,7 +444,7 @@ class LoGRAOptimizer(MegatronOptimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load either :meth:`state_dict` or a loaded :meth:`sharded_state_dict`."""
         if "row_pieces" in state_dict:
-            self._load_sharded(state_dict)
+            load_sharded_state(self, state_dict)
             return
         self.update_count = int(state_dict["update_count"])
         for name, tensor in self.direction.state_tensors().items():
@@ -461,139 +455,14 @@ class LoGRAOptimizer(MegatronOptimizer):
             group.update(saved)
         self.refresh_projections()
 
-    # ------------------------------------------------------------------ dist_checkpointing
-
-    def checkpoint_fingerprint(self) -> dict[str, Any]:
-        """The settings a checkpoint's LoGRA state only makes sense under."""
-        return {
-            "mode": self.logra.mode,
-            "seed": self.logra.seed,
-            "distribution": self.logra.distribution,
-            "sketch_rank": self.logra.sketch_rank,
-            "direction": self.logra.direction,
-            "refresh": self.logra.refresh,
-            "targets": sorted(self.logra.targets),
-            "master_mode": self.master_mode,
-            "update_ratio": self.logra.update_ratio if self.logra.mode == "paper" else None,
-        }
-
-    def _row_fragments(self, target: SketchTarget) -> list[tuple[int, int, int]]:
-        """``(block, fragment index, fragments)`` of each owned row piece in the full weight.
-
-        The full (TP=1) weight's rows are ``stride`` blocks; a column-parallel TP shard owns
-        slice ``t`` of every block, and each DP owner a ``1/dp`` chunk of that, so every piece
-        is one uniform fragment of the global rows. Row-parallel shards hold all rows.
-        """
-        shard = self.sketches.shards[target.layer_key]
-        tp = self.groups.tp_size if target.parallel_kind == "column" else 1
-        tp_rank = self.groups.tp_rank if target.parallel_kind == "column" else 0
-        dp, dp_rank = shard.dp_size, shard.dp_rank
-        return [
-            (block, block * tp * dp + tp_rank * dp + dp_rank, shard.stride * tp * dp)
-            for block in range(shard.stride)
-        ]
-
-    def _row_moment(self, layer_key: str) -> torch.Tensor | None:
-        """This rank's RowAdam moments of a layer (None for directions without row state)."""
-        if isinstance(self.direction, RowAdamDirection):
-            return self.direction.moment(layer_key)
-        return None
-
     def sharded_state_dict(
         self, model_sharded_state_dict: Any, is_loading: bool = False, metadata: Any = None
     ) -> dict[str, Any]:
         """Row moments and fp32 masters as ShardedTensors keyed by layer, reshardable to any
-        TP / PP / DP layout; the update count and settings as common state.
-
-        Projections are not saved: they are regenerated from ``(seed, update_count, layer)``.
-        """
+        TP / PP / DP layout; the update count, settings and step-scale state as common state
+        (:mod:`megatron_logra.mcore.optimizer.logra_state`)."""
         del model_sharded_state_dict, is_loading, metadata
-        from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
-        replicated_rows = not self.sketches.sharded
-        pieces: dict[str, Any] = {}
-        for target in self.targets:
-            key, shard = target.layer_key, self.sketches.shards[target.layer_key]
-            row_part = target.parallel_kind == "row"
-            # Copies of the same rows: row-parallel TP ranks hold the same rows; replicated
-            # layouts hold them on every DP rank too. Only the all-zero replica is written.
-            replica = (
-                self.groups.tp_rank if row_part else 0,
-                self.groups.dp_rank if replicated_rows else 0,
-            )
-            entries: dict[str, list[Any]] = {"moment": [], "master": []}
-            moment_view = self._row_moment(key)
-            master = self.masters.get(key)
-            for block, index, fragments in self._row_fragments(target):
-                rows = slice(block * shard.chunk_rows, (block + 1) * shard.chunk_rows)
-                if moment_view is not None:
-                    entries["moment"].append(ShardedTensor.from_rank_offsets(
-                        f"logra.row_second_moment.{key}", moment_view[rows],
-                        (0, index, fragments), replica_id=replica,
-                    ))
-                if master is not None:
-                    column_axis = (
-                        [(1, self.groups.tp_rank, self.groups.tp_size)] if row_part else []
-                    )
-                    entries["master"].append(ShardedTensor.from_rank_offsets(
-                        f"logra.master.{key}", master.master_OI[rows],
-                        (0, index, fragments), *column_axis, replica_id=0,
-                    ))
-            pieces[key] = entries
-        return {
-            "common": {
-                "update_count": self.update_count,
-                "kl_controller": (
-                    self.kl_controller.state_dict() if self.kl_controller is not None else None
-                ),
-                "fingerprint": self.checkpoint_fingerprint(),
-                "param_groups": [
-                    {k: v for k, v in g.items() if k != "params"} for g in self.param_groups
-                ],
-            },
-            "row_pieces": pieces,
-        }
-
-    def _load_sharded(self, state_dict: dict[str, Any]) -> None:
-        common = state_dict["common"]
-        check_compatible_fingerprint(common["fingerprint"], self.checkpoint_fingerprint())
-        for target in self.targets:
-            key, shard = target.layer_key, self.sketches.shards[target.layer_key]
-            entries = state_dict["row_pieces"][key]
-            moment = self._row_moment(key)
-            for block in range(shard.stride):
-                rows = slice(block * shard.chunk_rows, (block + 1) * shard.chunk_rows)
-                if moment is not None:
-                    moment[rows].copy_(entries["moment"][block])
-                if key in self.masters:
-                    self.masters[key].master_OI[rows].copy_(entries["master"][block])
-        self.update_count = int(common["update_count"])
-        if self.kl_controller is not None:
-            if common.get("kl_controller") is None:
-                raise ValueError(
-                    "this run uses logra.kl_control but the checkpoint has no KL controller "
-                    "state; resume without kl_control or from a checkpoint written with it"
-                )
-            self.kl_controller.load_state_dict(common["kl_controller"])
-        for group, saved in zip(self.param_groups, common["param_groups"], strict=True):
-            group.update(saved)
-        self.refresh_projections()
-
-
-def check_compatible_fingerprint(saved: dict[str, Any], current: dict[str, Any]) -> None:
-    """Refuse LoGRA state saved under settings that change what that state means."""
-    mismatched = {
-        name: (saved.get(name), value) for name, value in current.items()
-        if saved.get(name) != value
-    }
-    if mismatched:
-        details = ", ".join(
-            f"{name}: checkpoint {old!r} vs run {new!r}" for name, (old, new) in mismatched.items()
-        )
-        raise ValueError(
-            f"the checkpoint's LoGRA state is incompatible with this run ({details}); resume "
-            "with the settings the checkpoint was written with"
-        )
+        return sharded_state_dict(self)
 
 
 def resolve_master_mode(requested: str, weight_dtype: torch.dtype) -> str:
@@ -613,72 +482,3 @@ def resolve_master_mode(requested: str, weight_dtype: torch.dtype) -> str:
             "logra.master_weights=none (or auto)"
         )
     return requested
-
-
-class LoGRAChainedOptimizer(ChainedOptimizer):
-    """Megatron's native optimizer(s) and a :class:`LoGRAOptimizer` under one global norm."""
-
-    def __init__(self, native: MegatronOptimizer, logra: LoGRAOptimizer) -> None:
-        natives = list(native.chained_optimizers) if isinstance(native, ChainedOptimizer) else [
-            native
-        ]
-        # A stub (a rank whose native parameters are all frozen, e.g. paper mode) holds no
-        # optimizer; Megatron's chain cannot checkpoint one, and it has nothing to step.
-        natives = [opt for opt in natives if not getattr(opt, "is_stub_optimizer", False)]
-        super().__init__(natives + [logra])
-        self.native_optimizers = natives
-        self.logra = logra
-        # Megatron's own norm over the native parameters (its grad-stats groups, its filters).
-        self._native_chain = ChainedOptimizer(natives) if natives else None
-
-    @torch.no_grad()
-    def get_grad_norm(self) -> float:
-        if self.logra.logra.mode == "paper":
-            # The paper reports the sketch norm sqrt(sum ||S||^2); nothing else is trained.
-            return math.sqrt(self.logra.sketch_frobenius_sq())
-        native_norm = self._native_chain.get_grad_norm() if self._native_chain else 0.0
-        return math.sqrt(float(native_norm) ** 2 + self.logra.sketch_sq_norm())
-
-    @torch.no_grad()
-    def step(
-        self, control: Callable[[LoGRAOptimizer], float] | None = None
-    ) -> tuple[bool, float | None, float | None]:
-        """As ``ChainedOptimizer.step``, with the sketches inside the norm and the clip, and an
-        optional step controller.
-
-        Order: grads ready -> global norm -> clip (library mode; the paper's update is sized by
-        its update ratio instead) -> LoGRA prepares its directions -> ``control(logra)``
-        returns the scale of the LoGRA update (e.g. from the predicted KL, computed at the
-        current weights) -> the native optimizers step -> the LoGRA update is applied.
-        """
-        found_inf_flag = self.prepare_grads()
-        if found_inf_flag:
-            return False, None, None
-        grad_norm = self.get_grad_norm()
-        if self.config.clip_grad > 0.0 and self.logra.logra.mode != "paper":
-            for optimizer in self.native_optimizers:
-                if getattr(optimizer, "is_stub_optimizer", False):
-                    continue
-                parameters = optimizer.get_parameters()
-                if parameters:
-                    clip_grad_by_total_norm_fp32(
-                        parameters,
-                        max_norm=optimizer.config.clip_grad,
-                        total_norm=grad_norm,
-                        use_decoupled_grad=(
-                            optimizer.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
-                        ),
-                    )
-            self.logra.clip_sketches_(self.config.clip_grad, grad_norm)
-        num_zeros_in_grad = None
-        if self.config.log_num_zeros_in_grad:
-            num_zeros_in_grad = sum(
-                opt.count_zeros() for opt in self.native_optimizers
-            ) + self.logra.count_zeros()
-        self.logra.prepare_update()
-        scale = control(self.logra) if control is not None else 1.0
-        success = True
-        for optimizer in self.native_optimizers:
-            success &= optimizer.step_with_ready_grads()
-        self.logra.apply_update(scale)
-        return success, grad_norm, num_zeros_in_grad

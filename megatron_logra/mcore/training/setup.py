@@ -1,8 +1,10 @@
-"""Wrap a model for training with one of the three methods: dense Adam, dense SGD or LoGRA.
+"""Wrap a model for training: dense Adam or SGD, LoRA, or LoGRA (with its KL step control).
 
-All three share the model, Megatron's DDP, Megatron's optimizer and Megatron's LR scheduler; LoGRA
+All share the model, Megatron's DDP, Megatron's optimizer and Megatron's LR scheduler; LoGRA
 only freezes its target weights before DDP is built (so they get no grad-buffer slot, no
-``main_grad`` and no hook) and chains a :class:`LoGRAOptimizer` for them.
+``main_grad`` and no hook) and chains a :class:`LoGRAOptimizer` for them, built with its mode's
+strategy object and, when logra.kl_control.enabled, the predicted-KL step control as its step
+scale.
 """
 
 from __future__ import annotations
@@ -19,9 +21,12 @@ from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_logra.config import Config
+from megatron_logra.logra_mode import logra_mode
+from megatron_logra.mcore.kl_probe.step_control import KLStepControl
 from megatron_logra.mcore.models.sharding import unwrap_model
 from megatron_logra.mcore.models.targets import find_targets
-from megatron_logra.mcore.optimizer.logra import LoGRAChainedOptimizer, LoGRAOptimizer
+from megatron_logra.mcore.optimizer.chained import LoGRAChainedOptimizer
+from megatron_logra.mcore.optimizer.logra import LoGRAOptimizer
 from megatron_logra.mcore.peft.lora import attach_lora
 from megatron_logra.mcore.process_groups import ParallelGroups
 
@@ -32,6 +37,15 @@ class TrainingSetup:
     optimizer: MegatronOptimizer
     scheduler: OptimizerParamScheduler
     logra: LoGRAOptimizer | None
+    kl_control: KLStepControl | None = None
+    """The LoGRA optimizer's step scale when logra.kl_control.enabled: the trainer gives it
+    each step's probe batch and reads its metrics."""
+
+    def step_metrics(self) -> dict[str, object]:
+        """The learning-rate fields of a step's record: the scheduler's lr, or what the LoGRA
+        mode reports instead (paper mode has no learning rate)."""
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        return self.logra.mode.step_metrics(lr) if self.logra is not None else {"lr": lr}
 
 
 def megatron_optimizer_config(cfg: Config) -> MegatronOptimizerConfig:
@@ -95,21 +109,25 @@ def _require_grad_output(module: torch.nn.Module, args: object, output: torch.Te
 
 
 def setup_training(
-    cfg: Config, model_chunks: list[torch.nn.Module], groups: ParallelGroups
+    cfg: Config, model_chunks: list[torch.nn.Module], groups: ParallelGroups, *,
+    kl_vocab_size: int | None = None,
 ) -> TrainingSetup:
-    """DDP + optimizer (+ LoGRA chain) + scheduler for ``cfg.optimizer.name``."""
+    """DDP + optimizer (+ LoGRA chain and its KL step control) + scheduler for
+    ``cfg.optimizer.name``. ``kl_vocab_size``: the tokenizer's vocabulary, over which the KL
+    step control's softmax runs (needed when logra.kl_control.enabled)."""
     o = cfg.optimizer
     targets = []
+    mode = logra_mode(cfg.logra) if o.name == "logra" else None
     if o.name == "lora":
         # Freezes the base model: DDP then gives grad-buffer slots (and the optimizer state)
         # to the adapters only.
-        attach_lora(model_chunks, cfg.lora.targets, lora_rank=cfg.lora.rank,
+        attach_lora(model_chunks, cfg.lora.targets, lora_rank=cfg.lora.lora_rank,
                     alpha=cfg.lora.alpha, groups=groups, seed=cfg.lora.seed)
-    if o.name == "logra":
+    if mode is not None:
         targets = find_targets(model_chunks, cfg.logra.targets, tp_rank=groups.tp_rank)
         for target in targets:
             target.weight.requires_grad_(False)
-        if cfg.logra.mode == "paper":
+        if not mode.trains_non_targets:
             freeze_non_targets(model_chunks)
     config = model_chunks[0].config
     ddp_chunks = [
@@ -129,9 +147,17 @@ def setup_training(
     opt_config = megatron_optimizer_config(cfg)
     native = get_megatron_optimizer(opt_config, ddp_chunks)
     logra = None
+    kl_control = None
     optimizer: MegatronOptimizer = native
-    if o.name == "logra":
-        logra = LoGRAOptimizer(targets, logra=cfg.logra, config=opt_config, groups=groups)
+    if mode is not None:
+        if cfg.logra.kl_control.enabled:
+            if kl_vocab_size is None:
+                raise ValueError("logra.kl_control.enabled needs the tokenizer's vocabulary "
+                                 "size: pass setup_training(..., kl_vocab_size=...)")
+            kl_control = KLStepControl(ddp_chunks, targets, settings=cfg.logra.kl_control,
+                                       groups=groups, vocab_size=kl_vocab_size)
+        logra = LoGRAOptimizer(targets, logra=cfg.logra, mode=mode, config=opt_config,
+                               groups=groups, step_scale=kl_control)
         optimizer = LoGRAChainedOptimizer(native, logra)
         config.finalize_model_grads_func = functools.partial(
             finalize_grads_with_sketches, logra=logra
@@ -153,5 +179,6 @@ def setup_training(
         wd_incr_style="constant",
     )
     return TrainingSetup(
-        model_chunks=ddp_chunks, optimizer=optimizer, scheduler=scheduler, logra=logra
+        model_chunks=ddp_chunks, optimizer=optimizer, scheduler=scheduler, logra=logra,
+        kl_control=kl_control,
     )

@@ -2,8 +2,9 @@
 
 What ``megatron-logra train`` does each step, and what the benchmarks and tests call directly:
 zero grads and sketches, Megatron's forward/backward schedule (per-token loss sums;
-``finalize_model_grads`` divides by the global token count), ``optimizer.step()`` (under the
-KL step control when one is given), one LR-scheduler step.
+``finalize_model_grads`` divides by the global token count), ``optimizer.step()`` (which runs
+the LoGRA step scale it was built with; its probe batch must be set first), one LR-scheduler
+step.
 """
 
 from __future__ import annotations
@@ -15,11 +16,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_logra.data.lm_batches import Microbatch
-from megatron_logra.mcore.kl_probe.step_control import KLStepControl
 from megatron_logra.mcore.process_groups import ParallelGroups
+from megatron_logra.mcore.training.forward_backward import forward_backward
 from megatron_logra.mcore.training.setup import TrainingSetup
 
 
@@ -64,32 +64,16 @@ def train_step(
     groups: ParallelGroups,
     seq_length: int,
     micro_batch_size: int,
-    control: KLStepControl | None = None,
 ) -> StepResult:
-    """Train on this rank's ``microbatches`` (every data-parallel rank passes its own).
-
-    ``control``: the KL step control, its probe batch already set; it scales the LoGRA update.
-    """
+    """Train on this rank's ``microbatches`` (every data-parallel rank passes its own)."""
     if not microbatches:
         raise ValueError("microbatches is empty; give this rank at least one microbatch")
     for chunk in setup.model_chunks:
         chunk.zero_grad_buffer()
     setup.optimizer.zero_grad()
-    # Every chunk (virtual stage) walks the same microbatches in the schedule's order.
-    iterators = [iter(microbatches) for _ in setup.model_chunks]
-    losses = get_forward_backward_func()(
-        forward_step_func=_forward_step,
-        data_iterator=iterators if len(iterators) > 1 else iterators[0],
-        model=setup.model_chunks,
-        num_microbatches=len(microbatches),
-        seq_length=seq_length,
-        micro_batch_size=micro_batch_size,
-        forward_only=False,
-    )
-    if control is not None:
-        success, grad_norm, _ = setup.optimizer.step(control=control)
-    else:
-        success, grad_norm, _ = setup.optimizer.step()
+    losses = forward_backward(setup.model_chunks, microbatches, _forward_step,
+                              seq_length=seq_length, micro_batch_size=micro_batch_size)
+    success, grad_norm, _ = setup.optimizer.step()
     if not success:
         raise RuntimeError("the optimizer step reported failure (non-finite gradients)")
     setup.scheduler.step(1)

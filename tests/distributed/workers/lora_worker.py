@@ -67,7 +67,7 @@ def build_cfg(tp: int, sp: bool, world: int, lora_seed: int = LORA_SEED):
         "parallel.device=cpu", f"parallel.tp={tp}", f"parallel.sp={str(sp).lower()}",
         "model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=4",
         "model.ffn_hidden_size=64", f"model.seq_length={SEQ}", "model.activation=swiglu",
-        "model.add_bias_linear=true", "optimizer.name=lora", f"lora.rank={LORA_RANK}",
+        "model.add_bias_linear=true", "optimizer.name=lora", f"lora.lora_rank={LORA_RANK}",
         f"lora.alpha={ALPHA}", f"lora.seed={lora_seed}", "optimizer.lr=0.01",
         "optimizer.clip_grad=1.0", f"train.steps={TRAIN_STEPS}",
         f"train.micro_batch_size={MICRO_BATCH}", f"train.global_batch_size={MICRO_BATCH}",

@@ -19,14 +19,13 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
-
 from megatron_logra.config import load_config  # noqa: E402
 from megatron_logra.data.dataset_dir import load_tokenizer, load_tokens  # noqa: E402
 from megatron_logra.data.lm_batches import LMBatchSchedule  # noqa: E402
-from megatron_logra.mcore.kl_probe.step_control import KLStepControl, ProbeBatch  # noqa: E402
+from megatron_logra.mcore.kl_probe.step_control import ProbeBatch  # noqa: E402
 from megatron_logra.mcore.models.gpt import build_model_chunks  # noqa: E402
 from megatron_logra.mcore.process_groups import init_parallel  # noqa: E402
+from megatron_logra.mcore.training.forward_backward import forward_backward  # noqa: E402
 from megatron_logra.mcore.training.setup import setup_training  # noqa: E402
 from megatron_logra.mcore.training.step import _forward_step  # noqa: E402
 
@@ -42,7 +41,7 @@ def main() -> None:
         "parallel.device=cpu", f"parallel.tp={world}", "model.num_layers=2",
         "model.hidden_size=64", "model.num_attention_heads=4", "model.ffn_hidden_size=128",
         "model.seq_length=32", "train.micro_batch_size=4", "train.global_batch_size=4",
-        "optimizer.name=logra", f"logra.mode={args.mode}", "logra.kl_control=true",
+        "optimizer.name=logra", f"logra.mode={args.mode}", "logra.kl_control.enabled=true",
         f"data.dir={args.data}",
     ]
     cfg = load_config(None, overrides).resolved(world)
@@ -50,14 +49,19 @@ def main() -> None:
     tokenizer = load_tokenizer(cfg.data.dir)
     schedule = LMBatchSchedule(load_tokens(cfg.data.dir), seq_length=32, global_batch_size=4,
                                seed=cfg.train.seed)
-    setup = setup_training(cfg, build_model_chunks(cfg, groups, tokenizer.vocab_size), groups)
-    control = KLStepControl(setup.model_chunks, settings=cfg.kl_control, groups=groups,
-                            vocab_size=tokenizer.vocab_size)
+    setup = setup_training(cfg, build_model_chunks(cfg, groups, tokenizer.vocab_size), groups,
+                           kl_vocab_size=tokenizer.vocab_size)
+    control = setup.kl_control
     consulted = []
 
-    def spy(logra):
-        consulted.append(True)
-        return control(logra)
+    class Spy:
+        """The real KL step control, recording that the optimizer consulted it."""
+
+        def __call__(self, proposal):
+            consulted.append(True)
+            return control(proposal)
+
+    setup.logra.step_scale = Spy()
 
     for chunk in setup.model_chunks:
         chunk.zero_grad_buffer()
@@ -65,18 +69,15 @@ def main() -> None:
     batches = schedule.microbatches(0, dp_rank=0, dp_size=1, micro_batch_size=4)
     control.set_batch(ProbeBatch(batches[0].tokens, batches[0].position_ids,
                                  batches[0].loss_mask > 0))
-    get_forward_backward_func()(
-        forward_step_func=_forward_step, data_iterator=iter(batches),
-        model=setup.model_chunks, num_microbatches=1, seq_length=32, micro_batch_size=4,
-        forward_only=False,
-    )
+    forward_backward(setup.model_chunks, batches, _forward_step, seq_length=32,
+                     micro_batch_size=4)
     before = {name: p.detach().clone() for chunk in setup.model_chunks
               for name, p in chunk.named_parameters()}
     # One entry of one layer's reduced sketch becomes NaN (as a bad batch or overflow would).
     setup.logra.sketches.data[3] = float("nan")
     error = None
     try:
-        setup.optimizer.step(control=spy)
+        setup.optimizer.step()
     except RuntimeError as exc:
         error = str(exc)
     after = {name: p.detach() for chunk in setup.model_chunks

@@ -1,0 +1,79 @@
+"""Run configuration: small typed sections, nested per component, loaded from YAML plus
+``section.key=value`` overrides.
+
+Validation has no side effects and happens before any process group exists, so a typo costs a
+second, not a cluster allocation. Every error names the field, the value and what to do. Nothing
+here imports torch.
+
+    cfg = load_config("configs/demo_cpu.yaml", ["parallel.tp=2", "optimizer.name=logra"])
+    cfg = cfg.resolved(world_size=2)   # fills parallel.dp and checks the layout
+
+Sections: ``model`` and ``parallel`` (config/model.py); ``optimizer``, ``logra`` with
+``logra.kl_control``, ``lora`` (config/optim.py); ``rl`` with ``sampling``, ``loss``,
+``advantages``, ``reward`` (and ``reward.math_verify``), ``eval`` (config/rl.py); ``train``,
+``data``, ``run``, ``checkpoint`` (config/run.py). The names of every choice (targets, direction
+rules, distributions, rewards, ...) are declared here once; the implementing modules map them.
+"""
+
+from megatron_logra.config.loader import check_key, config_from_dict, load_config, parse_override
+from megatron_logra.config.model import (
+    ACTIVATIONS,
+    DEVICES,
+    NORMALIZATIONS,
+    PARAMS_DTYPES,
+    POSITION_EMBEDDINGS,
+    ModelConfig,
+    ParallelConfig,
+)
+from megatron_logra.config.optim import (
+    DIRECTIONS,
+    DISTRIBUTIONS,
+    LOGRA_MODES,
+    LR_DECAY_STYLES,
+    MASTER_WEIGHTS,
+    NATIVE_OPTIMIZERS,
+    OPTIMIZERS,
+    TARGET_NAMES,
+    UPDATE_FACTOR_DTYPES,
+    KLControlConfig,
+    LoGRAConfig,
+    LoRAConfig,
+    OptimizerConfig,
+)
+from megatron_logra.config.rl import (
+    FAILURE_POLICIES,
+    REWARDS,
+    RL_LOSSES,
+    START_METHODS,
+    AdvantagesConfig,
+    EvalConfig,
+    GrpoLossConfig,
+    LossConfig,
+    MathVerifyConfig,
+    PaperAdvantageConfig,
+    PaperLossConfig,
+    RewardConfig,
+    RLConfig,
+    SamplingConfig,
+)
+from megatron_logra.config.root import COMMAND_DEFAULTS, COMMANDS, Config
+from megatron_logra.config.run import (
+    DATA_FORMATS,
+    CheckpointConfig,
+    DataConfig,
+    RunConfig,
+    TrainConfig,
+)
+
+__all__ = [
+    "ACTIVATIONS", "COMMANDS", "COMMAND_DEFAULTS", "DATA_FORMATS", "DEVICES", "DIRECTIONS",
+    "DISTRIBUTIONS", "FAILURE_POLICIES", "LOGRA_MODES", "LR_DECAY_STYLES", "MASTER_WEIGHTS",
+    "NATIVE_OPTIMIZERS", "NORMALIZATIONS", "OPTIMIZERS", "PARAMS_DTYPES", "POSITION_EMBEDDINGS",
+    "REWARDS", "RL_LOSSES", "START_METHODS", "TARGET_NAMES", "UPDATE_FACTOR_DTYPES",
+    "AdvantagesConfig", "CheckpointConfig", "Config", "DataConfig", "EvalConfig",
+    "GrpoLossConfig", "KLControlConfig", "LoGRAConfig", "LoRAConfig", "LossConfig",
+    "MathVerifyConfig", "ModelConfig", "OptimizerConfig", "PaperAdvantageConfig",
+    "PaperLossConfig", "ParallelConfig", "RLConfig", "RewardConfig", "RunConfig",
+    "SamplingConfig", "TrainConfig", "check_key", "config_from_dict", "load_config",
+    "parse_override",
+]

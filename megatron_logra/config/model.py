@@ -1,0 +1,116 @@
+"""The ``model`` and ``parallel`` sections: what GPT is built, and on which layout."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_logra.config.checks import check_choice, check_positive
+
+NORMALIZATIONS: tuple[str, ...] = ("LayerNorm", "RMSNorm")
+ACTIVATIONS: tuple[str, ...] = ("gelu", "swiglu")
+POSITION_EMBEDDINGS: tuple[str, ...] = ("rope", "learned_absolute")
+PARAMS_DTYPES: tuple[str, ...] = ("fp32", "bf16")
+DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """A GPT built from Megatron-Core's local (non-Transformer-Engine) layer spec."""
+
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    num_query_groups: int | None = None
+    """Grouped-query attention groups; None means multi-head attention (= num_attention_heads)."""
+    ffn_hidden_size: int = 256
+    seq_length: int = 64
+    normalization: str = "LayerNorm"
+    activation: str = "gelu"
+    """``gelu``, or ``swiglu`` (gated fc1, as in Llama and Qwen)."""
+    position_embedding: str = "rope"
+    rotary_base: int = 10000
+    add_bias_linear: bool = True
+    add_qkv_bias: bool = False
+    untie_embeddings: bool = True
+    init_method_std: float = 0.02
+    layernorm_epsilon: float = 1e-5
+    vocab_size: int | None = None
+    """Rows of the word embedding before padding; None takes the tokenizer's vocabulary. Set it
+    to the checkpoint's row count when that exceeds the tokenizer (Qwen2.5: 151936 rows for
+    151665 tokens); ids the tokenizer cannot produce are never sampled."""
+    make_vocab_size_divisible_by: int = 128
+    """The tokenizer's vocabulary is padded to a multiple of this, independent of TP size, so
+    that every parallel layout builds the same model."""
+    params_dtype: str = "fp32"
+    """``fp32``, or ``bf16`` (Megatron's mixed precision: bf16 weights and compute, fp32 main
+    gradients and optimizer state)."""
+    init_checkpoint: str | None = None
+    """Start from the weights of this checkpoint directory (model-only, e.g. a converted Hugging
+    Face model or a warm start, or a training checkpoint) instead of random initialisation. Any
+    parallel layout loads it. Ignored when resuming from checkpoint.dir."""
+
+    def validate(self, path: str = "model") -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+                     "seq_length", "rotary_base", "make_vocab_size_divisible_by"):
+            check_positive(f"{path}.{name}", getattr(self, name))
+        if self.vocab_size is not None:
+            check_positive(f"{path}.vocab_size", self.vocab_size)
+        check_positive(f"{path}.init_method_std", self.init_method_std)
+        check_positive(f"{path}.layernorm_epsilon", self.layernorm_epsilon)
+        check_choice(f"{path}.normalization", self.normalization, NORMALIZATIONS)
+        check_choice(f"{path}.activation", self.activation, ACTIVATIONS)
+        check_choice(f"{path}.position_embedding", self.position_embedding, POSITION_EMBEDDINGS)
+        check_choice(f"{path}.params_dtype", self.params_dtype, PARAMS_DTYPES)
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"{path}.hidden_size={self.hidden_size} must be divisible by "
+                f"{path}.num_attention_heads={self.num_attention_heads}"
+            )
+        if self.num_query_groups is not None:
+            check_positive(f"{path}.num_query_groups", self.num_query_groups)
+            if self.num_attention_heads % self.num_query_groups:
+                raise ValueError(
+                    f"{path}.num_attention_heads={self.num_attention_heads} must be divisible by "
+                    f"{path}.num_query_groups={self.num_query_groups}"
+                )
+
+    @property
+    def query_groups(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """The parallel layout. ``dp`` follows from the world size: world = tp * pp * dp."""
+
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None
+    """Virtual pipeline stages per rank (interleaved 1F1B); None for the plain 1F1B schedule."""
+    sp: bool = False
+    """Sequence parallelism (needs tp > 1)."""
+    dp: int | None = None
+    """Derived from the world size; set it only to assert the layout you expect."""
+    device: str = "auto"
+    """``cpu`` runs over gloo with the CPU compatibility layer; ``cuda`` over NCCL; ``auto`` picks
+    cuda when a GPU is visible."""
+
+    def validate(self, path: str = "parallel") -> None:
+        check_positive(f"{path}.tp", self.tp)
+        check_positive(f"{path}.pp", self.pp)
+        check_choice(f"{path}.device", self.device, DEVICES)
+        if self.vpp is not None:
+            check_positive(f"{path}.vpp", self.vpp)
+            if self.pp == 1:
+                raise ValueError(
+                    f"{path}.vpp={self.vpp} needs {path}.pp > 1 (virtual stages interleave "
+                    f"pipeline stages); drop {path}.vpp or raise {path}.pp"
+                )
+        if self.sp and self.tp == 1:
+            raise ValueError(
+                f"{path}.sp=true needs {path}.tp > 1 (sequence parallelism splits the "
+                f"sequence over the tensor-parallel group); set {path}.sp=false or raise "
+                f"{path}.tp"
+            )
+        if self.dp is not None:
+            check_positive(f"{path}.dp", self.dp)

@@ -1,0 +1,162 @@
+"""The ``optimizer``, ``logra`` (with its ``kl_control``) and ``lora`` sections: what trains the
+model and how."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megatron_logra.config.checks import (
+    check_choice,
+    check_fraction,
+    check_list_of_names,
+    check_positive,
+    validate_subsections,
+)
+from megatron_logra.controller import KLControlSettings
+
+TARGET_NAMES: tuple[str, ...] = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+OPTIMIZERS: tuple[str, ...] = ("logra", "adam", "sgd", "lora")
+NATIVE_OPTIMIZERS: tuple[str, ...] = ("adam", "sgd")
+LR_DECAY_STYLES: tuple[str, ...] = ("constant", "linear", "cosine")
+LOGRA_MODES: tuple[str, ...] = ("library", "paper")
+DIRECTIONS: tuple[str, ...] = ("row_adam", "sgd", "paper_row_adam")
+"""Direction rules (megatron_logra.direction maps each name to its rule)."""
+DISTRIBUTIONS: tuple[str, ...] = ("rademacher", "gaussian", "identity")
+"""Projection entries. megatron_logra.projection declares the same tuple: the portable generator
+must import nothing else of ours (the rollout engine loads it on its own); a unit test keeps
+the two equal."""
+UPDATE_FACTOR_DTYPES: tuple[str, ...] = ("bf16", "fp32")
+MASTER_WEIGHTS: tuple[str, ...] = ("auto", "none", "dp_sharded")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """What trains the model. ``logra`` sketches the target linears and hands every other
+    parameter to Megatron's own optimizer (``logra.native_optimizer``)."""
+
+    name: str = "adam"
+    lr: float = 1e-3
+    min_lr: float = 0.0
+    lr_warmup_steps: int = 0
+    lr_decay_style: str = "constant"
+    weight_decay: float = 0.0
+    clip_grad: float = 1.0
+    """Global gradient-norm clip (0 disables). For LoGRA the norm counts each sketch as the
+    reconstructed gradient ``S A``."""
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    sgd_momentum: float = 0.0
+    use_distributed_optimizer: bool = False
+    """Megatron's distributed optimizer (ZeRO-1 style sharded fp32 state over DP)."""
+
+    def validate(self, path: str = "optimizer") -> None:
+        check_choice(f"{path}.name", self.name, OPTIMIZERS)
+        check_choice(f"{path}.lr_decay_style", self.lr_decay_style, LR_DECAY_STYLES)
+        check_positive(f"{path}.lr", self.lr)
+        check_positive(f"{path}.min_lr", self.min_lr, allow_zero=True)
+        if self.min_lr > self.lr:
+            raise ValueError(f"{path}.min_lr={self.min_lr} must not exceed {path}.lr={self.lr}")
+        check_positive(f"{path}.lr_warmup_steps", self.lr_warmup_steps, allow_zero=True)
+        check_positive(f"{path}.weight_decay", self.weight_decay, allow_zero=True)
+        check_positive(f"{path}.clip_grad", self.clip_grad, allow_zero=True)
+        for name in ("adam_beta1", "adam_beta2", "sgd_momentum"):
+            check_fraction(f"{path}.{name}", getattr(self, name), closed="low")
+        check_positive(f"{path}.adam_eps", self.adam_eps)
+
+
+@dataclass(frozen=True, kw_only=True)
+class KLControlConfig(KLControlSettings):
+    """Predicted-KL step control of LoGRA updates; the controller's own settings (defaults: the
+    paper's) are those of :class:`megatron_logra.controller.KLControlSettings`, which this
+    section extends with what the run needs to drive it."""
+
+    enabled: bool = False
+    """Scale each LoGRA update to the predicted-KL budget."""
+    temperature: float | None = None
+    """Temperature of the policy whose KL is controlled (the KL is between temperature-scaled
+    softmaxes). None: the sampling temperature in ``rl`` (rl.sampling.temperature; setting both
+    to different values is refused), 1 in supervised runs."""
+    mismatch_input: float | None = None
+    """Supervised runs only: a rollout/trainer log-prob gap to feed the controller each step
+    (RL runs measure it from the rollouts)."""
+
+    def validate(self, path: str = "logra.kl_control") -> None:
+        try:
+            KLControlSettings.validate(self)
+        except ValueError as error:
+            raise ValueError(f"{path}.{error}") from error
+        if self.temperature is not None:
+            check_positive(f"{path}.temperature", self.temperature)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoGRAConfig:
+    """Low-rank gradient sketches on the target linears (used when optimizer.name=logra)."""
+
+    mode: str = "library"
+    """``library``: RowAdam direction, lr schedule, clipping, non-targets trained natively.
+    ``paper``: the paper's RowAdam, a global update ratio instead of a learning rate, no
+    clipping, every non-target parameter frozen (use with logra.kl_control.enabled=true)."""
+    sketch_rank: int = 16
+    distribution: str = "rademacher"
+    """``rademacher``, ``gaussian``, or ``identity`` (A = I, sketch rank = input width: the
+    dense-gradient limit, for tests)."""
+    direction: str = "auto"
+    """``row_adam`` (library), ``paper_row_adam`` (the paper's), ``sgd`` (D = S), or ``auto``:
+    the mode's own (row_adam in library mode, paper_row_adam in paper mode)."""
+    native_optimizer: str = "adam"
+    """Megatron optimizer for every parameter that is not a sketched target."""
+    seed: int = 42
+    refresh: bool = True
+    """Redraw the projections after every update (with false, A never changes)."""
+    master_weights: str = "auto"
+    """Precision of the sketched weights' updates: ``none`` (fp32 weights are their own masters),
+    ``dp_sharded`` (bf16 weights, fp32 master rows sharded over data parallelism), ``auto``
+    (picked from model.params_dtype)."""
+    beta2: float = 0.95
+    eps: float = 1e-8
+    targets: list[str] = field(default_factory=lambda: list(TARGET_NAMES))
+    update_ratio: float = 6e-5
+    """Paper mode: the proposed update's global Frobenius norm, relative to the target weights'
+    (before the KL controller's scale). The paper's 6e-5 is for billion-parameter models; tiny
+    CPU models need ~1e-3 (see docs/LOG.md)."""
+    update_factor_dtype: str = "bf16"
+    """Paper mode: the scaled factor alpha * D is rounded to this dtype before the merge, as
+    the paper's runs do (``bf16``), or kept in ``fp32``."""
+    kl_control: KLControlConfig = field(default_factory=KLControlConfig)
+
+    def validate(self, path: str = "logra") -> None:
+        check_choice(f"{path}.mode", self.mode, LOGRA_MODES)
+        check_choice(f"{path}.distribution", self.distribution, DISTRIBUTIONS)
+        check_choice(f"{path}.direction", self.direction, ("auto", *DIRECTIONS))
+        check_choice(f"{path}.update_factor_dtype", self.update_factor_dtype,
+                     UPDATE_FACTOR_DTYPES)
+        check_positive(f"{path}.update_ratio", self.update_ratio)
+        check_choice(f"{path}.native_optimizer", self.native_optimizer, NATIVE_OPTIMIZERS)
+        check_choice(f"{path}.master_weights", self.master_weights, MASTER_WEIGHTS)
+        check_positive(f"{path}.sketch_rank", self.sketch_rank)
+        check_positive(f"{path}.seed", self.seed, allow_zero=True)
+        check_fraction(f"{path}.beta2", self.beta2, closed="low")
+        check_positive(f"{path}.eps", self.eps)
+        check_list_of_names(f"{path}.targets", self.targets, TARGET_NAMES)
+        validate_subsections(self, path)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoRAConfig:
+    """LoRA adapters on the target linears (optimizer.name=lora), trained with Adam under the
+    optimizer section's settings: the memory baseline LoGRA is compared with."""
+
+    lora_rank: int = 16
+    alpha: float = 32.0
+    """The adapter output is scaled by alpha / lora_rank."""
+    seed: int = 0
+    """Seeds the down projections A (B starts at zero), the same at every TP size."""
+    targets: list[str] = field(default_factory=lambda: list(TARGET_NAMES))
+
+    def validate(self, path: str = "lora") -> None:
+        check_positive(f"{path}.lora_rank", self.lora_rank)
+        check_positive(f"{path}.alpha", self.alpha)
+        check_positive(f"{path}.seed", self.seed, allow_zero=True)
+        check_list_of_names(f"{path}.targets", self.targets, TARGET_NAMES)

@@ -1,0 +1,172 @@
+"""The whole run configuration: its sections, the checks that span sections, and the resolution
+against a command and a world size."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron_logra.config.model import ModelConfig, ParallelConfig
+from megatron_logra.config.optim import LoGRAConfig, LoRAConfig, OptimizerConfig
+from megatron_logra.config.rl import RLConfig
+from megatron_logra.config.run import CheckpointConfig, DataConfig, RunConfig, TrainConfig
+
+COMMANDS: tuple[str, ...] = ("train", "sft", "rl")
+# What `sft` and `rl` mean on top of the YAML file (below the user's own overrides): prompt ->
+# answer data, and for sft the final weights written as a model-only checkpoint
+# (<run.dir>/model) for an RL run's model.init_checkpoint.
+COMMAND_DEFAULTS: dict[str, tuple[str, ...]] = {
+    "train": (),
+    "sft": ("data.format=prompts", "run.save_model=true"),
+    "rl": ("data.format=prompts",),
+}
+# A supervised run samples nothing: its KL probe measures the policy at temperature 1.
+SUPERVISED_KL_TEMPERATURE = 1.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    logra: LoGRAConfig = field(default_factory=LoGRAConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    provided: frozenset[str] = field(default=frozenset(), repr=False, compare=False)
+    """The dotted keys the YAML file and the overrides set. A derived setting uses it to refuse
+    an explicit value that disagrees; it is not part of :meth:`to_dict`."""
+
+    def sections(self) -> list[tuple[str, Any]]:
+        return [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)
+                if dataclasses.is_dataclass(getattr(self, f.name))]
+
+    def validate(self) -> None:
+        for name, section in self.sections():
+            section.validate(name)
+        m, p = self.model, self.parallel
+        for name, value in (
+            ("model.num_attention_heads", m.num_attention_heads),
+            ("model.num_query_groups", m.query_groups),
+            ("model.ffn_hidden_size", m.ffn_hidden_size),
+            ("model.make_vocab_size_divisible_by", m.make_vocab_size_divisible_by),
+        ):
+            if value % p.tp:
+                raise ValueError(
+                    f"{name}={value} must be divisible by parallel.tp={p.tp}; change one of them"
+                )
+        if self.logra.kl_control.enabled and self.optimizer.name != "logra":
+            raise ValueError(
+                "logra.kl_control.enabled=true controls LoGRA updates; it needs "
+                "optimizer.name=logra"
+            )
+        master = self.logra.master_weights
+        if (master, m.params_dtype) in (("none", "bf16"), ("dp_sharded", "fp32")):
+            raise ValueError(
+                f"logra.master_weights={master} does not fit model.params_dtype={m.params_dtype}: "
+                "fp32 weights are their own masters (none), bf16 weights need fp32 masters "
+                "(dp_sharded); use logra.master_weights=auto"
+            )
+        stages = p.pp * (p.vpp or 1)
+        if m.num_layers % stages:
+            raise ValueError(
+                f"model.num_layers={m.num_layers} must be divisible by parallel.pp * "
+                f"parallel.vpp = {stages} (every pipeline stage holds the same number of layers)"
+            )
+        if p.sp and m.seq_length % p.tp:
+            raise ValueError(
+                f"model.seq_length={m.seq_length} must be divisible by parallel.tp={p.tp} "
+                "with sequence parallelism"
+            )
+
+    def resolved(self, world_size: int, command: str = "train") -> Config:
+        """A copy for ``command`` on ``world_size`` processes: ``parallel.dp`` filled in, the
+        settings ``command`` derives set (refusing explicit values that disagree), the batch
+        checked."""
+        self.validate()
+        if command not in COMMANDS:
+            raise ValueError(f"command {command!r} is not one of {list(COMMANDS)}")
+        cfg = self._derive_for_rl() if command == "rl" else self._derive_for_supervised()
+        p, t = cfg.parallel, cfg.train
+        model_parallel = p.tp * p.pp
+        if world_size % model_parallel:
+            raise ValueError(
+                f"world size {world_size} is not divisible by parallel.tp * parallel.pp = "
+                f"{model_parallel}; launch a multiple of {model_parallel} processes"
+            )
+        dp = world_size // model_parallel
+        if p.dp is not None and p.dp != dp:
+            raise ValueError(
+                f"parallel.dp={p.dp} but world size {world_size} with tp={p.tp}, pp={p.pp} "
+                f"gives dp={dp}; drop parallel.dp or launch {p.dp * model_parallel} processes"
+            )
+        if t.global_batch_size % (t.micro_batch_size * dp):
+            raise ValueError(
+                f"train.global_batch_size={t.global_batch_size} must be a multiple of "
+                f"train.micro_batch_size * dp = {t.micro_batch_size} * {dp}"
+            )
+        microbatches = t.global_batch_size // (t.micro_batch_size * dp)
+        if p.vpp is not None and microbatches % p.pp:
+            raise ValueError(
+                f"the interleaved schedule needs the number of microbatches per step "
+                f"({microbatches} = train.global_batch_size / (train.micro_batch_size * dp)) to "
+                f"be a multiple of parallel.pp={p.pp}; change the batch sizes"
+            )
+        return dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=dp))
+
+    def _derive_for_supervised(self) -> Config:
+        kl = self.logra.kl_control
+        if kl.temperature is not None:
+            return self
+        return self._with_kl(dataclasses.replace(kl, temperature=SUPERVISED_KL_TEMPERATURE))
+
+    def _derive_for_rl(self) -> Config:
+        """RL's training batch is the step's rollouts, and its policy's temperature is the
+        sampling temperature: both are derived here, once."""
+        r, kl = self.rl, self.logra.kl_control
+        if self.parallel.vpp is not None:
+            raise ValueError(
+                f"parallel.vpp={self.parallel.vpp}: the rollout engine runs one model chunk per "
+                "rank; RL supports pipeline parallelism without virtual stages (drop "
+                "parallel.vpp)"
+            )
+        if "train.global_batch_size" in self.provided and \
+                self.train.global_batch_size != r.global_batch:
+            raise ValueError(
+                f"train.global_batch_size={self.train.global_batch_size}: in rl the batch is the "
+                f"step's rollouts, rl.prompts_per_step x rl.samples_per_prompt = "
+                f"{r.prompts_per_step} x {r.samples_per_prompt} = {r.global_batch}; drop "
+                "train.global_batch_size or change rl.prompts_per_step"
+            )
+        temperature = r.sampling.temperature
+        if kl.temperature is not None and kl.temperature != temperature:
+            raise ValueError(
+                f"logra.kl_control.temperature={kl.temperature} differs from "
+                f"rl.sampling.temperature={temperature}: in rl the controlled policy is the "
+                "sampling one; drop logra.kl_control.temperature"
+            )
+        if kl.mismatch_input is not None:
+            raise ValueError(
+                f"logra.kl_control.mismatch_input={kl.mismatch_input} is for supervised runs; "
+                "rl measures the rollout/trainer gap itself: drop it"
+            )
+        cfg = self._with_kl(dataclasses.replace(kl, temperature=temperature))
+        return dataclasses.replace(
+            cfg, train=dataclasses.replace(cfg.train, global_batch_size=r.global_batch)
+        )
+
+    def _with_kl(self, kl: Any) -> Config:
+        return dataclasses.replace(self, logra=dataclasses.replace(self.logra, kl_control=kl))
+
+    @property
+    def num_microbatches(self) -> int:
+        if self.parallel.dp is None:
+            raise RuntimeError("num_microbatches needs a resolved config (call resolved())")
+        return self.train.global_batch_size // (self.train.micro_batch_size * self.parallel.dp)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: dataclasses.asdict(section) for name, section in self.sections()}

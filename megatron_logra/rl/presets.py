@@ -1,0 +1,162 @@
+"""The RL presets, chosen once from ``rl.loss.name``: a policy loss and its advantage estimator.
+
+``paper``: REINFORCE with a detached truncated importance weight, and advantages from a running
+baseline with the failure reward and length weighting (megatron_logra.rl.losses /
+megatron_logra.rl.advantages have the formulas). ``grpo``: the clipped-ratio surrogate with an
+optional k3 reference KL, and group-normalised advantages over each prompt's
+``rl.samples_per_prompt`` responses.
+
+The trainer asks the preset (:func:`build_preset`) instead of testing the loss name: which loss
+to call, which ratio it reports, what the advantage estimator logs and checkpoints, and whether a
+frozen reference model is needed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from megatron_logra.config import GrpoLossConfig, PaperLossConfig, RLConfig
+from megatron_logra.rl.advantages import (
+    GroupAdvantageConfig,
+    RunningBaselineAdvantage,
+    group_normalized_advantages,
+)
+from megatron_logra.rl.losses import TokenLoss, grpo_policy_loss, paper_policy_loss
+
+
+class PolicyLoss(Protocol):
+    ratio_metric: str
+    """The record field of the token-mean ratio the loss reports."""
+
+    def __call__(
+        self, logprobs_BL: torch.Tensor, *, rollout_logprobs_BL: torch.Tensor,
+        advantages_B: torch.Tensor, response_mask_BL: torch.Tensor,
+        reference_logprobs_BL: torch.Tensor | None,
+    ) -> tuple[TokenLoss, torch.Tensor]:
+        """The microbatch's loss and the sum of its ratio over valid tokens."""
+        ...
+
+
+class AdvantageEstimator(Protocol):
+    def compute(
+        self, *, rewards: Sequence[float], correct: Sequence[bool], lengths: Sequence[int]
+    ) -> torch.Tensor:
+        """float32 ``[B]`` advantages of the whole step's batch (every rank passes it all)."""
+        ...
+
+    def metrics(self) -> dict[str, float]: ...
+
+    def state_dict(self) -> dict[str, Any] | None: ...
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None: ...
+
+
+class PaperPolicyLoss:
+    ratio_metric = "importance_weight_mean"
+
+    def __init__(self, config: PaperLossConfig) -> None:
+        self.config = config
+
+    def __call__(
+        self, logprobs_BL: torch.Tensor, *, rollout_logprobs_BL: torch.Tensor,
+        advantages_B: torch.Tensor, response_mask_BL: torch.Tensor,
+        reference_logprobs_BL: torch.Tensor | None,
+    ) -> tuple[TokenLoss, torch.Tensor]:
+        del reference_logprobs_BL
+        loss = paper_policy_loss(logprobs_BL, rollout_logprobs_BL, advantages_B,
+                                 response_mask_BL, config=self.config)
+        return loss, loss.metrics["importance_weight_sum"]
+
+
+class GrpoPolicyLoss:
+    ratio_metric = "ratio_mean"
+
+    def __init__(self, config: GrpoLossConfig) -> None:
+        self.config = config
+
+    def __call__(
+        self, logprobs_BL: torch.Tensor, *, rollout_logprobs_BL: torch.Tensor,
+        advantages_B: torch.Tensor, response_mask_BL: torch.Tensor,
+        reference_logprobs_BL: torch.Tensor | None,
+    ) -> tuple[TokenLoss, torch.Tensor]:
+        del rollout_logprobs_BL
+        # One update per rollout batch: the old policy is the current one.
+        loss = grpo_policy_loss(logprobs_BL, logprobs_BL.detach(), advantages_B,
+                                response_mask_BL, config=self.config,
+                                reference_logprobs_BL=reference_logprobs_BL)
+        return loss, loss.metrics["ratio_sum"]
+
+
+class PaperAdvantages:
+    """The running baseline (checkpointed: a resumed run continues it)."""
+
+    def __init__(self, estimator: RunningBaselineAdvantage) -> None:
+        self.estimator = estimator
+
+    def compute(
+        self, *, rewards: Sequence[float], correct: Sequence[bool], lengths: Sequence[int]
+    ) -> torch.Tensor:
+        del rewards
+        return self.estimator.compute(correct, lengths)
+
+    def metrics(self) -> dict[str, float]:
+        return {"baseline": self.estimator.baseline}
+
+    def state_dict(self) -> dict[str, Any] | None:
+        return self.estimator.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        if state is None:
+            raise ValueError("the checkpoint holds no running-baseline state; it was not written "
+                             "by an rl run with rl.loss.name=paper")
+        self.estimator.load_state_dict(state)
+
+
+class GroupAdvantages:
+    """Group normalisation: no state across steps."""
+
+    def __init__(self, group_size: int) -> None:
+        self.config = GroupAdvantageConfig(group_size=group_size)
+
+    def compute(
+        self, *, rewards: Sequence[float], correct: Sequence[bool], lengths: Sequence[int]
+    ) -> torch.Tensor:
+        del correct, lengths
+        return group_normalized_advantages(rewards, self.config)
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+    def state_dict(self) -> dict[str, Any] | None:
+        return None
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        del state
+
+
+@dataclass(frozen=True)
+class RLPreset:
+    name: str
+    loss: PolicyLoss
+    advantages: AdvantageEstimator
+    needs_reference_model: bool
+    """GRPO with a reference KL keeps a frozen copy of the starting policy."""
+
+
+def build_preset(rl: RLConfig) -> RLPreset:
+    """The preset of ``rl.loss.name`` with its settings."""
+    if rl.loss.name == "paper":
+        return RLPreset(
+            name="paper", loss=PaperPolicyLoss(rl.loss.paper),
+            advantages=PaperAdvantages(RunningBaselineAdvantage(rl.advantages.paper)),
+            needs_reference_model=False,
+        )
+    return RLPreset(
+        name="grpo", loss=GrpoPolicyLoss(rl.loss.grpo),
+        advantages=GroupAdvantages(rl.samples_per_prompt),
+        needs_reference_model=rl.loss.grpo.kl_beta > 0,
+    )

@@ -1,0 +1,99 @@
+"""From one step's rollouts to the trainer's microbatches and the KL probe.
+
+The rollout engine returns ragged prompts and responses; the trainer needs fixed shapes for the
+pipeline schedules: every sequence padded to ``model.seq_length`` (a multiple of TP under
+sequence parallelism), cut into this DP rank's microbatches with the per-token quantities the
+loss needs (rollout log-probs, advantages, response mask, completion flags).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_logra.config import KLControlConfig
+from megatron_logra.mcore import ProbeBatch
+from megatron_logra.rl.rollout import PaddedRollout, RolloutBatch
+
+
+@dataclass(frozen=True)
+class RLMicrobatch:
+    """One microbatch of the policy update (``[b, s]`` tensors on the device, ``[b]`` for the
+    per-response ones)."""
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    position_ids: torch.Tensor
+    response_mask: torch.Tensor
+    rollout_logprobs: torch.Tensor
+    reference_logprobs: torch.Tensor | None
+    advantages: torch.Tensor
+    finished: torch.Tensor
+
+
+def pad_to_length(rollout: RolloutBatch, length: int, pad_id: int) -> PaddedRollout:
+    """The trainer's view of the rollout, padded to ``length`` (= model.seq_length: fixed shapes
+    for the pipeline schedules; a multiple of TP under sequence parallelism)."""
+    padded = rollout.to_padded(pad_id)
+    if padded.tokens.shape[1] > length:
+        raise ValueError(
+            f"a prompt plus its response takes {padded.tokens.shape[1]} tokens, more than "
+            f"model.seq_length={length}; raise model.seq_length or lower "
+            "rl.sampling.max_new_tokens"
+        )
+    extra = length - padded.tokens.shape[1]
+
+    def widen(tensor: torch.Tensor, value: float | int | bool) -> torch.Tensor:
+        return torch.nn.functional.pad(tensor, (0, extra), value=value)
+
+    return PaddedRollout(
+        tokens=widen(padded.tokens, pad_id),
+        labels=widen(padded.labels, pad_id),
+        position_ids=torch.arange(length, dtype=torch.int64)[None, :].repeat(len(rollout), 1),
+        response_mask=widen(padded.response_mask, False),
+        rollout_logprobs=widen(padded.rollout_logprobs, 0.0),
+        sampling_logprobs=widen(padded.sampling_logprobs, 0.0),
+        prompt_lengths=padded.prompt_lengths,
+        response_lengths=padded.response_lengths,
+        finished=padded.finished,
+        logprob_temperature=padded.logprob_temperature,
+    )
+
+
+def rl_microbatches(
+    padded: PaddedRollout,
+    advantages: torch.Tensor,
+    reference_logprobs: torch.Tensor | None,
+    *,
+    micro_batch_size: int,
+    device: torch.device,
+) -> list[RLMicrobatch]:
+    """This rank's padded responses in microbatches of ``micro_batch_size``."""
+    microbatches = []
+    for lo in range(0, padded.tokens.shape[0], micro_batch_size):
+        rows = slice(lo, lo + micro_batch_size)
+        microbatches.append(RLMicrobatch(
+            tokens=padded.tokens[rows].to(device), labels=padded.labels[rows].to(device),
+            position_ids=padded.position_ids[rows].to(device),
+            response_mask=padded.response_mask[rows].to(device),
+            rollout_logprobs=padded.rollout_logprobs[rows].to(device),
+            reference_logprobs=(reference_logprobs[rows].to(device)
+                                if reference_logprobs is not None else None),
+            advantages=advantages[rows].to(device), finished=padded.finished[rows].to(device),
+        ))
+    return microbatches
+
+
+def probe_batch(
+    padded: PaddedRollout, share: range, settings: KLControlConfig, device: torch.device
+) -> ProbeBatch:
+    """The first ``probe_responses`` responses of the global batch held by this DP rank, at
+    their generated positions, at most ``probe_max_tokens`` positions."""
+    rows = max(0, min(settings.probe_responses - share.start, len(share)))
+    length = min(settings.probe_max_tokens, padded.tokens.shape[1])
+    return ProbeBatch(
+        tokens=padded.tokens[:rows, :length].to(device),
+        position_ids=padded.position_ids[:rows, :length].to(device),
+        mask=padded.response_mask[:rows, :length].to(device),
+    )

@@ -1,0 +1,169 @@
+"""RL post-training on Megatron (``megatron-logra rl``), one step in four phases:
+
+1. **rollouts** (:mod:`.rollouts`): the step's global prompt list (``rl.prompts_per_step`` x
+   ``rl.samples_per_prompt``); the rollout engine samples this data-parallel rank's share with
+   the current weights; rewards of the share; correctness and lengths gathered over DP, and the
+   preset's advantages computed on the whole global batch, identically on every rank;
+2. **batching** (:mod:`.batching`): responses padded to model.seq_length and cut into this
+   rank's microbatches; the KL probe set (the first responses of the global batch);
+3. **policy update** (:mod:`.policy_update`): the preset's loss through Megatron's schedule, the
+   rollout-vs-trainer gap on completed responses fed to the KL controller's mismatch term, one
+   optimizer step (LoGRA predicts the KL of its update on the probe set and scales it), and the
+   realised KL measured after it;
+4. **evaluation** (:mod:`.evaluation`): held-out pass@1 / pass@k and greedy accuracy before
+   training, every ``rl.eval.interval`` steps and at the end; each evaluation's per-problem
+   answers go to ``<run.dir>/eval/step_NNNNNN.jsonl``.
+
+The run around the steps (resume, metrics, checkpoints with the advantage estimator's state,
+plots) is :mod:`megatron_logra.train.loop`'s.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_logra.config import Config
+from megatron_logra.data.prompt_data import load_problems
+from megatron_logra.data.run_tokenizer import embedding_rows, load_run_tokenizer
+from megatron_logra.mcore import (
+    MegatronSampler,
+    ParallelGroups,
+    build_model_chunks,
+    compute_token_logprobs,
+    load_model_weights,
+    setup_training,
+)
+from megatron_logra.rl.eval_answers import eval_answers_path, write_eval_answers
+from megatron_logra.rl.presets import build_preset
+from megatron_logra.rl.prompt_schedule import PromptSchedule
+from megatron_logra.rl.rewards import build_reward
+from megatron_logra.train.loop import run
+from megatron_logra.train.metrics import memory_bytes
+from megatron_logra.train.rl.batching import pad_to_length, probe_batch, rl_microbatches
+from megatron_logra.train.rl.evaluation import evaluate
+from megatron_logra.train.rl.policy_update import update_policy
+from megatron_logra.train.rl.prompts import PromptEncoder
+from megatron_logra.train.rl.rollouts import collect_rollouts
+
+
+def rl(cfg: Config) -> dict[str, Any]:
+    """Run ``cfg.train.steps`` RL steps; returns the last metrics record."""
+    return run(cfg, RLJob)
+
+
+class RLJob:
+    """The policy (and, for GRPO with a reference KL, a frozen copy of it), its optimizer, the
+    rollout engine, the reward and the prompt schedule of an RL run."""
+
+    def __init__(self, cfg: Config, groups: ParallelGroups) -> None:
+        r = cfg.rl
+        self.cfg, self.groups = cfg, groups
+        tokenizer = load_run_tokenizer(cfg)
+        self.vocab_size = tokenizer.vocab_size
+        self.encoder = PromptEncoder(tokenizer)
+        self.eval_problems = load_problems(Path(cfg.data.dir) / "eval.jsonl")[: r.eval.prompts]
+        self.schedule = PromptSchedule(load_problems(Path(cfg.data.dir) / "train.jsonl"),
+                                       prompts_per_step=r.prompts_per_step,
+                                       samples_per_prompt=r.samples_per_prompt, seed=r.seed)
+        self.preset = build_preset(r)
+        chunks = build_model_chunks(cfg, groups, vocab_size=embedding_rows(cfg, tokenizer))
+        if cfg.model.init_checkpoint:
+            load_model_weights(cfg.model.init_checkpoint, model_chunks=chunks, cfg=cfg,
+                               groups=groups, verify=cfg.checkpoint.verify)
+        self.reference = None
+        if self.preset.needs_reference_model:
+            # A frozen copy of the starting policy for the k3 reference KL.
+            self.reference = build_model_chunks(cfg, groups,
+                                                vocab_size=embedding_rows(cfg, tokenizer))
+            for ref_chunk, chunk in zip(self.reference, chunks, strict=True):
+                ref_chunk.load_state_dict(chunk.state_dict())
+                ref_chunk.requires_grad_(False)
+        self.setup = setup_training(cfg, chunks, groups, kl_vocab_size=tokenizer.vocab_size)
+        self.engine = MegatronSampler(self.setup.model_chunks, groups,
+                                      vocab_size=tokenizer.vocab_size)
+        self.reward = build_reward(r.reward)
+
+    # ------------------------------------------------------------------ the loop's hooks
+
+    def initial_records(self, start_step: int) -> list[dict[str, Any]]:
+        return [{"step": 0, **self._evaluate(0)}] if start_step == 0 else []
+
+    def after_step(self, completed: int) -> dict[str, Any]:
+        interval = self.cfg.rl.eval.interval
+        if completed == self.cfg.train.steps or (interval and completed % interval == 0):
+            return self._evaluate(completed)
+        return {}
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        return {"rl": {"advantage": self.preset.advantages.state_dict()}}
+
+    def load_checkpoint_state(self, common: dict[str, Any]) -> None:
+        self.preset.advantages.load_state_dict(common["rl"]["advantage"])
+
+    def close(self) -> None:
+        self.reward.close()
+
+    # ------------------------------------------------------------------ one step
+
+    def step(self, step: int) -> dict[str, Any]:
+        cfg, groups, setup = self.cfg, self.groups, self.setup
+        start = time.perf_counter()
+        scored = collect_rollouts(
+            self.engine, self.encoder, self.reward, self.preset.advantages,
+            self.schedule.step_problems(step), rl=cfg.rl, step=step, groups=groups,
+        )
+        padded = pad_to_length(scored.rollout, cfg.model.seq_length, self.encoder.eos_id)
+        reference_logprobs = None
+        if self.reference is not None:
+            reference_logprobs = compute_token_logprobs(
+                self.reference, padded.tokens, padded.labels,
+                temperature=padded.logprob_temperature, vocab_size=self.vocab_size,
+                groups=groups, micro_batch_size=cfg.train.micro_batch_size,
+            ).cpu()
+        microbatches = rl_microbatches(padded, scored.advantages, reference_logprobs,
+                                       micro_batch_size=cfg.train.micro_batch_size,
+                                       device=groups.device)
+        probe = (probe_batch(padded, scored.share, cfg.logra.kl_control, groups.device)
+                 if setup.kl_control is not None else None)
+        step_metrics = setup.step_metrics()
+        update = update_policy(
+            setup, microbatches, self.preset.loss, probe=probe,
+            seq_length=cfg.model.seq_length, micro_batch_size=cfg.train.micro_batch_size,
+            vocab_size=self.vocab_size, temperature=padded.logprob_temperature, groups=groups,
+        )
+        control = setup.kl_control
+        kl_metrics = control.metrics(control.realised()) if control is not None else {}
+        if groups.device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        sums = update.sums
+        generated = sum(scored.lengths)
+        return {
+            "step": step + 1,
+            "loss": sums.loss_sum / max(sums.tokens, 1.0),
+            "reward": sum(scored.rewards) / len(scored.rewards),
+            "accuracy": sum(scored.correct) / len(scored.correct),
+            "response_length": generated / len(scored.lengths),
+            "grad_norm": update.grad_norm,
+            **step_metrics,
+            self.preset.loss.ratio_metric: sums.ratio_sum / max(sums.tokens, 1.0),
+            "rollout_trainer_gap": update.mismatch,
+            "logprob_gap_all_tokens": sums.all_gap_sum / max(sums.all_gap_tokens, 1.0),
+            **kl_metrics,
+            "tokens": generated,
+            "step_time_s": elapsed,
+            "tokens_per_s": generated / elapsed,
+            "mem_bytes": memory_bytes(groups.device),
+            **self.preset.advantages.metrics(),
+        }
+
+    def _evaluate(self, step: int) -> dict[str, float]:
+        metrics, answers = evaluate(self.engine, self.encoder, self.reward, self.eval_problems,
+                                    rl=self.cfg.rl, groups=self.groups)
+        if self.groups.world_rank == 0:
+            write_eval_answers(answers, eval_answers_path(Path(self.cfg.run.dir), step))
+        return metrics

@@ -1,0 +1,86 @@
+"""The rollout phase of an RL step: sample this DP rank's share of the step's prompts, score it,
+and compute the advantages of the whole global batch (identically on every rank)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_logra.config import RLConfig
+from megatron_logra.data.prompt_data import PromptProblem
+from megatron_logra.mcore import ParallelGroups
+from megatron_logra.rl.presets import AdvantageEstimator
+from megatron_logra.rl.rewards import Reward
+from megatron_logra.rl.rollout import (
+    RolloutBatch,
+    RolloutEngine,
+    SamplingParams,
+    data_parallel_share,
+)
+from megatron_logra.train.rl.collectives import gather_dp
+from megatron_logra.train.rl.prompts import PromptEncoder
+
+
+@dataclass(frozen=True)
+class ScoredRollouts:
+    """One step's rollouts: this rank's responses, what every rank knows of the global batch.
+
+    Attributes:
+        share: global indices of this rank's responses.
+        rollout: this rank's responses (with the engine's log-probs).
+        rewards, correct, lengths: every response of the global batch, in global order.
+        advantages: float32 ``[len(share)]``, this rank's slice of the global advantages.
+    """
+
+    share: range
+    rollout: RolloutBatch
+    rewards: list[float]
+    correct: list[bool]
+    lengths: list[int]
+    advantages: torch.Tensor
+
+
+def sampling_params(rl: RLConfig, eos_id: int, *, evaluation: bool = False,
+                    greedy: bool = False) -> SamplingParams:
+    """Training rollouts sample with rl.sampling, evaluations with rl.eval; greedy decodes."""
+    if greedy:
+        temperature, top_p = 0.0, 1.0
+    elif evaluation:
+        temperature, top_p = rl.eval.temperature, rl.eval.top_p
+    else:
+        temperature, top_p = rl.sampling.temperature, rl.sampling.top_p
+    return SamplingParams(max_new_tokens=rl.sampling.max_new_tokens, temperature=temperature,
+                          top_p=top_p, eos_id=eos_id)
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The sampling seed of training step ``step`` (counter-based sampling: any layout)."""
+    return (seed * 1_000_003 + step) % (2**62)
+
+
+def collect_rollouts(
+    engine: RolloutEngine,
+    encoder: PromptEncoder,
+    reward: Reward,
+    advantages: AdvantageEstimator,
+    problems: list[PromptProblem],
+    *,
+    rl: RLConfig,
+    step: int,
+    groups: ParallelGroups,
+) -> ScoredRollouts:
+    """Sample, score and compute advantages for step ``step``'s global prompt list."""
+    rollout = engine.generate(encoder.prompt_ids(problems),
+                              sampling_params(rl, encoder.eos_id),
+                              seed=step_seed(rl.seed, step))
+    share = data_parallel_share(len(problems), groups.dp_rank, groups.dp_size)
+    scored = reward.score(encoder.response_texts(rollout), [problems[i].answer for i in share])
+    all_correct = gather_dp(list(scored.correct), groups)
+    all_rewards = gather_dp(list(scored.rewards), groups)
+    all_lengths = gather_dp(rollout.response_lengths.tolist(), groups)
+    values = advantages.compute(rewards=all_rewards, correct=all_correct, lengths=all_lengths)
+    return ScoredRollouts(
+        share=share, rollout=rollout, rewards=all_rewards, correct=all_correct,
+        lengths=all_lengths, advantages=values[share.start : share.stop],
+    )
