@@ -12,7 +12,7 @@ the rule.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -123,14 +123,18 @@ class PaperRowAdamDirection(RowAdamDirection):
         paper_row_adam_(layers, step=context.step, beta2=self.beta2, eps=self.eps)
 
 
+# One rule per name of megatron_logra.config.DIRECTIONS.
+DIRECTION_RULES: dict[str, Callable[..., DirectionRule]] = {
+    "sgd": lambda sketches, *, beta2, eps: SgdDirection(),
+    "row_adam": RowAdamDirection,
+    "paper_row_adam": PaperRowAdamDirection,
+}
+
+
 def make_direction_rule(
     name: str, sketches: FlatSketchBuffer, *, beta2: float, eps: float
 ) -> DirectionRule:
     """Build the rule named by ``logra.direction``."""
-    if name == "sgd":
-        return SgdDirection()
-    if name == "row_adam":
-        return RowAdamDirection(sketches, beta2=beta2, eps=eps)
-    if name == "paper_row_adam":
-        return PaperRowAdamDirection(sketches, beta2=beta2, eps=eps)
-    raise ValueError(f"logra.direction={name!r} is not one of {DIRECTIONS}")
+    if name not in DIRECTION_RULES:
+        raise ValueError(f"logra.direction={name!r} is not one of {DIRECTIONS}")
+    return DIRECTION_RULES[name](sketches, beta2=beta2, eps=eps)

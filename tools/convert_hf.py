@@ -75,7 +75,7 @@ def _parse_overrides(overrides: list[str]) -> list[tuple[str, str, Any]]:
 def _to_megatron_config(hf_dir: Path, out_dir: Path, overrides: list[str]) -> tuple[Any, Any]:
     """The run config the checkpoint is written with, and the Hugging Face architecture."""
     from megatron_logra.config import config_from_dict
-    from megatron_logra.mcore.conversion.hf import (
+    from megatron_logra.mcore.conversion import (
         CHECKPOINT_NAME,
         HF_CONFIG_FILE,
         TOKENIZER_FILES,
@@ -128,7 +128,7 @@ def _to_megatron_ranks(cfg: Any, arch: Any, hf_dir: Path, out_dir: Path) -> int:
     import yaml
 
     from megatron_logra.mcore.checkpointing.checkpoint import save_model_checkpoint
-    from megatron_logra.mcore.conversion.hf import (
+    from megatron_logra.mcore.conversion import (
         CHECKPOINT_NAME,
         HF_CONFIG_FILE,
         HF_GENERATION_CONFIG_FILE,
@@ -210,7 +210,7 @@ def _check_tokenizer_fits(directory: Path, vocab_size: int) -> None:
 
 
 def _checkpoint_and_root(megatron_dir: Path) -> tuple[Path, Path | None]:
-    from megatron_logra.mcore.conversion.hf import CHECKPOINT_NAME
+    from megatron_logra.mcore.conversion import CHECKPOINT_NAME
 
     if (megatron_dir / "metadata.json").is_file():
         return megatron_dir, None
@@ -226,7 +226,7 @@ def _source(
     """config.json (and generation config) to write, and the dtype of the tensors."""
     import torch
 
-    from megatron_logra.mcore.conversion.hf import (
+    from megatron_logra.mcore.conversion import (
         HF_CONFIG_FILE,
         HF_SOURCE_FILE,
         hf_config_from_model_config,
@@ -257,11 +257,9 @@ def _source(
 
 
 def to_hf(megatron_dir: Path, out_dir: Path, hf_config: Path | None, max_shard_bytes: int) -> int:
-    from megatron.core import dist_checkpointing
-
     from megatron_logra.config import config_from_dict, load_config
     from megatron_logra.mcore.checkpointing.checkpoint import verify_checkpoint
-    from megatron_logra.mcore.conversion.hf import (
+    from megatron_logra.mcore.conversion import (
         HF_CONFIG_FILE,
         HF_GENERATION_CONFIG_FILE,
         TOKENIZER_DIR,
@@ -269,6 +267,7 @@ def to_hf(megatron_dir: Path, out_dir: Path, hf_config: Path | None, max_shard_b
         check_model_config_matches,
         checkpoint_full_weights,
         hf_tensors_from_megatron,
+        read_common_state,
         write_safetensors,
     )
     from megatron_logra.mcore.process_groups import destroy_parallel, init_parallel
@@ -279,7 +278,7 @@ def to_hf(megatron_dir: Path, out_dir: Path, hf_config: Path | None, max_shard_b
     groups = init_parallel(load_config(None, ["parallel.device=cpu"]).resolved(1))
     try:
         verify_checkpoint(checkpoint, groups)
-        common = dist_checkpointing.load_common_state_dict(str(checkpoint))["common"]
+        common = read_common_state(checkpoint)
         model = config_from_dict({"model": common["config"]["model"]}).model
         weights = checkpoint_full_weights(checkpoint, model)
     finally:
@@ -338,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "to-megatron":
             return to_megatron(args.hf_dir, args.out_dir, args.overrides)
-        from megatron_logra.mcore.conversion.hf import DEFAULT_MAX_SHARD_BYTES
+        from megatron_logra.mcore.conversion import DEFAULT_MAX_SHARD_BYTES
 
         return to_hf(args.megatron_dir, args.out_dir, args.hf_config,
                      args.max_shard_bytes or DEFAULT_MAX_SHARD_BYTES)
