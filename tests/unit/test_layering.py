@@ -4,8 +4,8 @@
 * the pure math modules import neither Megatron nor anything of ours above them, and every
   torch.distributed call they make names the process group it was given (no default group,
   no global parallel state);
-* the config package and the NeMo-Run recipes import no torch (a Slurm login node parses
-  configs without it), and the portable projection generator imports only torch and the
+* the config package, the NeMo-Run recipes and the memory estimator import no torch (a Slurm
+  login node parses configs and estimates memory without it), and the portable projection generator imports only torch and the
   standard library (the rollout engine loads it on its own);
 * the names of every config choice match the implementations that map them.
 """
@@ -113,9 +113,10 @@ def _imported_modules(statement: str) -> set[str]:
     return {name.split(".")[0] for name in result.stdout.split()}
 
 
-def test_config_and_recipes_import_no_torch():
+def test_config_recipes_and_memory_estimator_import_no_torch():
     loaded = _imported_modules(
-        "import megatron_logra.config, megatron_logra.recipes, megatron_logra.cli"
+        "import megatron_logra.config, megatron_logra.recipes, megatron_logra.cli, "
+        "megatron_logra.memory.estimate"
     )
     assert "torch" not in loaded and "megatron" not in loaded
 
