@@ -54,6 +54,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
+from bench_kernels import add_kernel_arguments, format_kernels, run_kernels  # noqa: E402
 
 METHODS = ("dense_adam", "lora", "logra")
 OPTIMIZER_NAMES = {"dense_adam": "adam", "lora": "lora", "logra": "logra"}
@@ -97,18 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--steps", type=int, default=5, help="timed steps (median reported)")
     run.add_argument("--threads", type=int,
                      help="torch intra-op threads per process (default: torch's choice)")
-    kern = parser.add_argument_group("backward kernels")
-    kern.add_argument("--no-kernels", action="store_true", help="skip the kernel timings")
-    kern.add_argument("--no-model", action="store_true", help="only the kernel timings")
-    kern.add_argument("--kernel-reps", type=int, default=5,
-                      help="repetitions per kernel at the model's shapes")
-    kern.add_argument("--large-reps", type=int, default=3,
-                      help="repetitions per kernel at the large shapes (each H^T X there is "
-                           "~1e12 flops: seconds on a CPU)")
-    kern.add_argument("--kernel-tokens", type=int, default=4096,
-                      help="tokens T of the large realistic layer")
-    kern.add_argument("--kernel-sketch-rank", type=int, default=256,
-                      help="sketch rank of the large realistic layer")
+    add_kernel_arguments(parser)
+    parser.add_argument("--no-kernels", action="store_true", help="skip the kernel timings")
+    parser.add_argument("--no-model", action="store_true", help="only the kernel timings")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     parser.add_argument("--child", choices=(*METHODS, "timing"), help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
@@ -403,89 +395,6 @@ def _launch(args: argparse.Namespace, method: str, argv: list[str]) -> dict[str,
         return json.loads(result.read_text())
 
 
-# ----------------------------------------------------------------------------- kernels
-
-
-@dataclass(frozen=True)
-class KernelShape:
-    label: str
-    tokens: int
-    rows: int  # m: output features of the layer shard
-    cols: int  # n: input features of the layer shard
-    sketch_rank: int
-
-
-def _model_kernel_shapes(args: argparse.Namespace) -> list[KernelShape]:
-    h, f, r = args.hidden, args.ffn, args.sketch_rank
-    t = args.seq_length * args.micro_batch_size
-    return [
-        KernelShape(f"model qkv   [{3 * h}x{h}]", t, 3 * h, h, r),
-        KernelShape(f"model proj  [{h}x{h}]", t, h, h, r),
-        KernelShape(f"model fc1   [{2 * f}x{h}]", t, 2 * f, h, r),
-        KernelShape(f"model fc2   [{h}x{f}]", t, h, f, r),
-    ]
-
-
-def _large_kernel_shapes(args: argparse.Namespace) -> list[KernelShape]:
-    # A Llama-3-8B-like layer: hidden 4096, 32 query heads in 8 KV groups of width 128,
-    # SwiGLU ffn 14336.
-    t, r = args.kernel_tokens, args.kernel_sketch_rank
-    return [
-        KernelShape("large qkv   [6144x4096]", t, 6144, 4096, r),
-        KernelShape("large proj  [4096x4096]", t, 4096, 4096, r),
-        KernelShape("large fc1   [28672x4096]", t, 28672, 4096, r),
-        KernelShape("large fc2   [4096x14336]", t, 4096, 14336, r),
-    ]
-
-
-def _median_time(fn: Any, reps: int, on_gpu: bool) -> float:
-    """Median seconds of ``fn``: wall time on a GPU, CPU time of this process on a CPU (robust
-    to other processes on a shared machine; equal to wall time times the busy threads)."""
-    clock = time.perf_counter if on_gpu else time.process_time
-    fn()  # warm-up: first-call allocation and kernel selection
-    times = []
-    for _ in range(reps):
-        if on_gpu:
-            torch.cuda.synchronize()
-        start = clock()
-        fn()
-        if on_gpu:
-            torch.cuda.synchronize()
-        times.append(clock() - start)
-    return statistics.median(times)
-
-
-def time_kernels(shape: KernelShape, reps: int, device: torch.device) -> dict[str, Any]:
-    """Median times of the dense weight gradient ``H^T X`` and of LoGRA's replacement: the
-    projection ``P = X A^T`` (forward) and the sketch ``H^T P`` (backward)."""
-    on_gpu = device.type == "cuda"
-    generator = torch.Generator(device=device).manual_seed(0)
-    x = torch.randn(shape.tokens, shape.cols, device=device, generator=generator)
-    h = torch.randn(shape.tokens, shape.rows, device=device, generator=generator)
-    a = torch.randn(shape.sketch_rank, shape.cols, device=device, generator=generator)
-    p = x @ a.t()
-    dense = _median_time(lambda: h.t() @ x, reps, on_gpu)
-    projection = _median_time(lambda: x @ a.t(), reps, on_gpu)
-    sketch = _median_time(lambda: h.t() @ p, reps, on_gpu)
-    m, n, r = shape.rows, shape.cols, shape.sketch_rank
-    return {
-        "label": shape.label, "tokens": shape.tokens, "rows": m, "cols": n, "sketch_rank": r,
-        "reps": reps, "dense_wgrad_s": dense, "projection_s": projection, "sketch_s": sketch,
-        "logra_over_dense": (projection + sketch) / dense,
-        "flops_ratio": r * (m + n) / (m * n),
-    }
-
-
-def run_kernels(args: argparse.Namespace) -> list[dict[str, Any]]:
-    device = torch.device("cuda" if args.device != "cpu" and torch.cuda.is_available()
-                          else "cpu")
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    rows = [time_kernels(shape, args.kernel_reps, device) for shape in _model_kernel_shapes(args)]
-    rows += [time_kernels(shape, args.large_reps, device) for shape in _large_kernel_shapes(args)]
-    return rows
-
-
 # ----------------------------------------------------------------------------- report
 
 
@@ -567,23 +476,6 @@ def _ratio_line(logra: dict[str, Any], other: dict[str, Any], name: str) -> str:
             f"{r['estimate_total_bytes']:.3f}), persistent {r['persistent_bytes']:.3f}, peak RSS "
             f"{r['peak_rss_bytes']:.3f}, step time {r['step_time_s']:.3f} (median) / "
             f"{r['step_time_min_s']:.3f} (fastest), step CPU time {r['step_cpu_time_s']:.3f}")
-
-
-def format_kernels(rows: list[dict[str, Any]], load: tuple[float, float, float]) -> str:
-    lines = [
-        f"weight-gradient cost, fp32, median of reps timings after one warm-up call (CPU: "
-        f"process CPU seconds, {torch.get_num_threads()} threads); load average {load[0]:.2f} "
-        f"on {os.cpu_count()} CPUs",
-        f"{'layer [m x n]':<28}{'T':>6}{'r':>5}{'reps':>5}{'H^T X [s]':>12}{'X A^T [s]':>12}"
-        f"{'H^T P [s]':>12}{'(XA+HP)/HX':>12}{'flops r(m+n)/mn':>17}",
-    ]
-    for row in rows:
-        lines.append(
-            f"{row['label']:<28}{row['tokens']:>6}{row['sketch_rank']:>5}{row['reps']:>5}"
-            f"{row['dense_wgrad_s']:>12.4f}{row['projection_s']:>12.4f}{row['sketch_s']:>12.4f}"
-            f"{row['logra_over_dense']:>12.3f}{row['flops_ratio']:>17.3f}"
-        )
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
