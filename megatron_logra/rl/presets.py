@@ -55,40 +55,57 @@ class AdvantageEstimator(Protocol):
     def load_state_dict(self, state: dict[str, Any] | None) -> None: ...
 
 
-class PaperPolicyLoss:
+class _TokenPolicyLoss:
+    """A per-token loss of ``megatron_logra.rl.losses`` with the sum of the ratio it reports."""
+
+    ratio_metric: str
+    ratio_sum_key: str
+
+    def __call__(
+        self, logprobs_BL: torch.Tensor, *, rollout_logprobs_BL: torch.Tensor,
+        advantages_B: torch.Tensor, response_mask_BL: torch.Tensor,
+        reference_logprobs_BL: torch.Tensor | None,
+    ) -> tuple[TokenLoss, torch.Tensor]:
+        loss = self.loss(logprobs_BL, rollout_logprobs_BL, advantages_B, response_mask_BL,
+                         reference_logprobs_BL)
+        return loss, loss.metrics[self.ratio_sum_key]
+
+    def loss(
+        self, logprobs_BL: torch.Tensor, rollout_logprobs_BL: torch.Tensor,
+        advantages_B: torch.Tensor, response_mask_BL: torch.Tensor,
+        reference_logprobs_BL: torch.Tensor | None,
+    ) -> TokenLoss:
+        raise NotImplementedError
+
+
+class PaperPolicyLoss(_TokenPolicyLoss):
     ratio_metric = "importance_weight_mean"
+    ratio_sum_key = "importance_weight_sum"
 
     def __init__(self, config: PaperLossConfig) -> None:
         self.config = config
 
-    def __call__(
-        self, logprobs_BL: torch.Tensor, *, rollout_logprobs_BL: torch.Tensor,
-        advantages_B: torch.Tensor, response_mask_BL: torch.Tensor,
-        reference_logprobs_BL: torch.Tensor | None,
-    ) -> tuple[TokenLoss, torch.Tensor]:
+    def loss(self, logprobs_BL, rollout_logprobs_BL, advantages_B, response_mask_BL,
+             reference_logprobs_BL) -> TokenLoss:
         del reference_logprobs_BL
-        loss = paper_policy_loss(logprobs_BL, rollout_logprobs_BL, advantages_B,
+        return paper_policy_loss(logprobs_BL, rollout_logprobs_BL, advantages_B,
                                  response_mask_BL, config=self.config)
-        return loss, loss.metrics["importance_weight_sum"]
 
 
-class GrpoPolicyLoss:
+class GrpoPolicyLoss(_TokenPolicyLoss):
     ratio_metric = "ratio_mean"
+    ratio_sum_key = "ratio_sum"
 
     def __init__(self, config: GrpoLossConfig) -> None:
         self.config = config
 
-    def __call__(
-        self, logprobs_BL: torch.Tensor, *, rollout_logprobs_BL: torch.Tensor,
-        advantages_B: torch.Tensor, response_mask_BL: torch.Tensor,
-        reference_logprobs_BL: torch.Tensor | None,
-    ) -> tuple[TokenLoss, torch.Tensor]:
+    def loss(self, logprobs_BL, rollout_logprobs_BL, advantages_B, response_mask_BL,
+             reference_logprobs_BL) -> TokenLoss:
         del rollout_logprobs_BL
         # One update per rollout batch: the old policy is the current one.
-        loss = grpo_policy_loss(logprobs_BL, logprobs_BL.detach(), advantages_B,
+        return grpo_policy_loss(logprobs_BL, logprobs_BL.detach(), advantages_B,
                                 response_mask_BL, config=self.config,
                                 reference_logprobs_BL=reference_logprobs_BL)
-        return loss, loss.metrics["ratio_sum"]
 
 
 class PaperAdvantages:
