@@ -35,11 +35,11 @@ def _configure_logging() -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from megatron_logra.mcore.process_groups import world_size_from_env
-
     try:
         cfg = load_config(args.config, args.overrides, command=args.command)
-        cfg = cfg.resolved(world_size_from_env(), args.command)
+        # The world torchrun announces (1 for a plain launch). Read here, not through the
+        # process-group module: a refusal must not wait for Megatron to import.
+        cfg = cfg.resolved(int(os.environ.get("WORLD_SIZE", "1")), args.command)
     except ValueError as error:
         print(f"megatron-logra: configuration error: {error}", file=sys.stderr)
         return 2

@@ -4,6 +4,7 @@ path and shows the offending value, so a typo in a 300-key run is found from the
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 
@@ -12,7 +13,14 @@ def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
         raise ValueError(f"{name}={value!r} is not valid; choose one of {list(choices)}")
 
 
+def check_finite(name: str, value: float) -> None:
+    # NaN compares false with everything, so "value < 0" alone would let it through.
+    if not math.isfinite(value):
+        raise ValueError(f"{name}={value!r} must be a finite number")
+
+
 def check_positive(name: str, value: float, *, allow_zero: bool = False) -> None:
+    check_finite(name, value)
     if value < 0 or (value == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
         raise ValueError(f"{name}={value!r} must be {bound}")
@@ -20,6 +28,7 @@ def check_positive(name: str, value: float, *, allow_zero: bool = False) -> None
 
 def check_fraction(name: str, value: float, *, closed: str) -> None:
     """``closed="low"``: value in [0, 1); ``closed="high"``: value in (0, 1]."""
+    check_finite(name, value)
     if closed == "low":
         if not 0.0 <= value < 1.0:
             raise ValueError(f"{name}={value} must be in [0, 1)")

@@ -9,6 +9,7 @@ a submission host use the same parser.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from pathlib import Path
@@ -99,7 +100,24 @@ def parse_override(text: str) -> tuple[tuple[str, ...], Any]:
     if len(parts) < 2 or not all(parts):
         raise ValueError(f"override key {dotted!r} must look like section.key")
     check_key(parts)
-    return parts, yaml.safe_load(raw) if raw.strip() else ""
+    if not raw.strip():
+        return parts, ""
+    try:
+        return parts, yaml.safe_load(raw)
+    except yaml.YAMLError as error:
+        raise ValueError(
+            f"override {text!r}: its value is not valid YAML ({_yaml_problem(error)}); quote a "
+            "string, close a bracket, or write a list as [a, b]"
+        ) from None
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """What the YAML parser complains about, and where (1-based line and column)."""
+    mark = getattr(error, "problem_mark", None)
+    problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+    if mark is None:
+        return problem
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
 
 
 def _coerce(path: str, value: Any, annotation: Any) -> Any:
@@ -129,16 +147,22 @@ def _coerce(path: str, value: Any, annotation: Any) -> Any:
             return int(value)
         raise ValueError(f"{path}={value!r} must be an integer")
     if annotation is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
+            number = float(value)
+        elif isinstance(value, str):
             # YAML 1.1 reads "1e-3" (no decimal point) as a string; it is the usual way to
             # write a learning rate, so accept any string Python parses as a float.
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise ValueError(f"{path}={value!r} must be a number")
+        if number is None:
+            raise ValueError(f"{path}={value!r} must be a number")
+        # No setting means anything at NaN or infinity (YAML writes them .nan, .inf).
+        if not math.isfinite(number):
+            raise ValueError(f"{path}={value!r} must be a finite number")
+        return number
     if annotation is str:
         if isinstance(value, str):
             return value
@@ -202,7 +226,14 @@ def load_config(
         path = Path(path)
         if not path.is_file():
             raise ValueError(f"config file {str(path)!r} does not exist")
-        data = yaml.safe_load(path.read_text()) or {}
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as error:
+            raise ValueError(
+                f"config file {str(path)!r} is not valid YAML: {_yaml_problem(error)}"
+            ) from None
+        except UnicodeDecodeError as error:
+            raise ValueError(f"config file {str(path)!r} is not UTF-8 text ({error})") from None
         if not isinstance(data, dict):
             raise ValueError(f"config file {str(path)!r} must hold a mapping of sections")
     if command not in COMMAND_DEFAULTS:

@@ -78,6 +78,18 @@ class ModelConfig:
     def query_groups(self) -> int:
         return self.num_query_groups or self.num_attention_heads
 
+    def target_widths(self) -> dict[str, tuple[int, int]]:
+        """``(output rows, input columns)`` of each target linear's full (TP=1) weight."""
+        head_dim = self.hidden_size // self.num_attention_heads
+        fc1_rows = self.ffn_hidden_size * (2 if self.activation == "swiglu" else 1)
+        return {
+            "linear_qkv": ((self.num_attention_heads + 2 * self.query_groups) * head_dim,
+                           self.hidden_size),
+            "linear_proj": (self.hidden_size, self.num_attention_heads * head_dim),
+            "linear_fc1": (fc1_rows, self.hidden_size),
+            "linear_fc2": (self.hidden_size, self.ffn_hidden_size),
+        }
+
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from megatron_logra.config.checks import (
     check_choice,
+    check_finite,
     check_fraction,
     check_list_of_names,
     check_positive,
@@ -88,6 +89,8 @@ class KLControlConfig(KLControlSettings):
             raise ValueError(f"{path}.{error}") from error
         if self.temperature is not None:
             check_positive(f"{path}.temperature", self.temperature)
+        if self.mismatch_input is not None:
+            check_finite(f"{path}.mismatch_input", self.mismatch_input)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -133,6 +136,11 @@ class LoGRAConfig:
         check_choice(f"{path}.update_factor_dtype", self.update_factor_dtype,
                      UPDATE_FACTOR_DTYPES)
         check_positive(f"{path}.update_ratio", self.update_ratio)
+        if self.update_ratio >= 1.0:
+            raise ValueError(
+                f"{path}.update_ratio={self.update_ratio} must be < 1: it is the proposed "
+                "update's norm relative to the target weights' (the paper uses 6e-5)"
+            )
         check_choice(f"{path}.native_optimizer", self.native_optimizer, NATIVE_OPTIMIZERS)
         check_choice(f"{path}.master_weights", self.master_weights, MASTER_WEIGHTS)
         check_positive(f"{path}.sketch_rank", self.sketch_rank)

@@ -59,6 +59,13 @@ class Config:
                 raise ValueError(
                     f"{name}={value} must be divisible by parallel.tp={p.tp}; change one of them"
                 )
+        self._check_low_rank_widths()
+        if self.rl.sampling.max_new_tokens >= m.seq_length:
+            raise ValueError(
+                f"rl.sampling.max_new_tokens={self.rl.sampling.max_new_tokens} leaves no room for "
+                f"a prompt in model.seq_length={m.seq_length}; lower it or raise "
+                "model.seq_length"
+            )
         if self.logra.kl_control.enabled and self.optimizer.name != "logra":
             raise ValueError(
                 "logra.kl_control.enabled=true controls LoGRA updates; it needs "
@@ -82,6 +89,27 @@ class Config:
                 f"model.seq_length={m.seq_length} must be divisible by parallel.tp={p.tp} "
                 "with sequence parallelism"
             )
+
+    def _check_low_rank_widths(self) -> None:
+        """A sketch (or an adapter) wider than its layer stores more than the layer's dense
+        gradient (or weight) and spans nothing more: refuse it, naming the layer."""
+        widths = self.model.target_widths()
+        checks = []
+        if self.optimizer.name == "logra" and self.logra.distribution != "identity":
+            checks = [("logra.sketch_rank", self.logra.sketch_rank, self.logra.targets, 1)]
+        elif self.optimizer.name == "lora":
+            checks = [("lora.lora_rank", self.lora.lora_rank, self.lora.targets, 0)]
+        for key, value, targets, side in checks:
+            # A sketch projects the input columns (side 1); an adapter is bounded by both sides.
+            for target in targets:
+                bound = widths[target][1] if side else min(widths[target])
+                if value > bound:
+                    raise ValueError(
+                        f"{key}={value} is larger than {target}'s "
+                        f"{'input width' if side else 'smaller dimension'} {bound} (from the "
+                        f"model section); choose {key} <= {bound} or leave {target} out of the "
+                        "targets"
+                    )
 
     def resolved(self, world_size: int, command: str = "train") -> Config:
         """A copy for ``command`` on ``world_size`` processes: ``parallel.dp`` filled in, the
