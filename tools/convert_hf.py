@@ -64,10 +64,11 @@ def _parse_overrides(overrides: list[str]) -> list[tuple[str, str, Any]]:
 
     parsed = []
     for text in overrides:
-        section, key, value = parse_override(text)
-        if f"{section}.{key}" not in ALLOWED_OVERRIDES:
+        parts, value = parse_override(text)
+        if ".".join(parts) not in ALLOWED_OVERRIDES:
             raise ValueError(f"override {text!r} is not accepted by to-megatron; allowed: "
                              f"{list(ALLOWED_OVERRIDES)} (the rest follows from config.json)")
+        section, key = parts  # every allowed override is section.key
         parsed.append((section, key, value))
     return parsed
 
@@ -125,17 +126,9 @@ def to_megatron(hf_dir: Path, out_dir: Path, overrides: list[str]) -> int:
 
 
 def _to_megatron_ranks(cfg: Any, arch: Any, hf_dir: Path, out_dir: Path) -> int:
-    import yaml
-
     from megatron_logra.mcore.checkpointing.checkpoint import save_model_checkpoint
     from megatron_logra.mcore.conversion import (
         CHECKPOINT_NAME,
-        HF_CONFIG_FILE,
-        HF_GENERATION_CONFIG_FILE,
-        HF_SOURCE_FILE,
-        MODEL_YAML,
-        TOKENIZER_DIR,
-        TOKENIZER_FILES,
         SafetensorsReader,
         check_hf_names,
         check_tied_head,
@@ -161,8 +154,26 @@ def _to_megatron_ranks(cfg: Any, arch: Any, hf_dir: Path, out_dir: Path) -> int:
                               name=CHECKPOINT_NAME)
     finally:
         destroy_parallel()
-    if int(os.environ.get("RANK", "0")) != 0:
-        return 0
+    if int(os.environ.get("RANK", "0")) == 0:
+        _write_side_files(hf_dir, out_dir, arch, resolved, hf_dtype)
+    return 0
+
+
+def _write_side_files(hf_dir: Path, out_dir: Path, arch: Any, resolved: Any, hf_dtype: Any) -> None:
+    """Next to the checkpoint: the model section to run it with, what the Hugging Face source
+    was (for the way back), and the tokenizer."""
+    import yaml
+
+    from megatron_logra.mcore.conversion import (
+        CHECKPOINT_NAME,
+        HF_CONFIG_FILE,
+        HF_GENERATION_CONFIG_FILE,
+        HF_SOURCE_FILE,
+        MODEL_YAML,
+        TOKENIZER_DIR,
+        TOKENIZER_FILES,
+    )
+
     model_section = dataclasses.asdict(resolved.model)
     # The checkpoint's embedding rows, which may exceed the tokenizer's ids: a run with this
     # model section builds the same padded embedding whatever tokenizer it encodes text with.
@@ -194,7 +205,6 @@ def _to_megatron_ranks(cfg: Any, arch: Any, hf_dir: Path, out_dir: Path) -> int:
               file=sys.stderr)
     print(f"convert_hf: wrote {out_dir / CHECKPOINT_NAME} (tp={resolved.parallel.tp}, "
           f"pp={resolved.parallel.pp}, {resolved.model.params_dtype}), {out_dir / MODEL_YAML}")
-    return 0
 
 
 def _check_tokenizer_fits(directory: Path, vocab_size: int) -> None:
