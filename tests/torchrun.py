@@ -26,18 +26,23 @@ def torchrun_env() -> dict[str, str]:
     return env
 
 
-def run_torchrun(
-    nproc: int, args: list[str], *, timeout_s: int = DEFAULT_TIMEOUT_S, cwd: Path | None = None
-) -> subprocess.CompletedProcess[str]:
-    """``torchrun --nproc_per_node=nproc ARGS``; raises AssertionError with the output on failure.
+def torchrun_command(nproc: int, args: list[str]) -> list[str]:
+    """The argv of ``torchrun --standalone --nproc_per_node=nproc ARGS`` with this interpreter.
 
     ``args`` is what follows torchrun's own options: ``["-m", "megatron_logra", "train", ...]``
     or ``[str(WORKERS / "some_worker.py"), ...]``.
     """
-    command = [
+    return [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         f"--nproc_per_node={nproc}", *args,
     ]
+
+
+def run_torchrun(
+    nproc: int, args: list[str], *, timeout_s: int = DEFAULT_TIMEOUT_S, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``torchrun_command(nproc, args)``; raises AssertionError with the output on failure."""
+    command = torchrun_command(nproc, args)
     result = subprocess.run(
         command, cwd=cwd or REPO, env=torchrun_env(), capture_output=True, text=True,
         timeout=timeout_s,

@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.layouts import LOGIT_JVP_LAYOUTS as LAYOUTS
 from tests.torchrun import WORKERS, run_torchrun
 
 pytestmark = pytest.mark.distributed
 
 WORKER = str(WORKERS / "logit_jvp_worker.py")
 CASES = ("targets", "all_params")
-LAYOUTS = ("tp2", "tp2_sp")
 
 # Central differences at eps = 1e-3 have truncation error O(eps^2) times the third derivative of
 # the logits along a direction with |dz| ~ 2-5 |z|; measured 7e-6 and 1.1e-5.
@@ -49,7 +49,7 @@ VOCAB_PARALLEL_EXACT_KL_REL_TOL = 1e-10
 @pytest.fixture(scope="module")
 def reference_dir(tmp_path_factory) -> Path:
     out = Path(tmp_path_factory.mktemp("logit_jvp"))
-    run_torchrun(1, [WORKER, "--out", str(out)])
+    run_torchrun(1, [WORKER, "--case", "tp1", "--out", str(out)])
     return out
 
 
@@ -60,8 +60,15 @@ def tp1(reference_dir) -> dict:
 
 @pytest.fixture(scope="module")
 def tp2(reference_dir) -> dict:
-    run_torchrun(2, [WORKER, "--out", str(reference_dir)])
+    run_torchrun(2, [WORKER, "--case", "tp2", "--out", str(reference_dir)])
     return json.loads((reference_dir / "tp2.json").read_text())
+
+
+def _layout_entries(tp2):
+    """(layout, case, the worker's results) for every 2-process layout and case."""
+    for layout in LAYOUTS:
+        for case in CASES:
+            yield layout, case, tp2["layouts"][layout][case]
 
 
 def test_forward_ad_tangent_matches_central_differences_with_second_order_convergence(tp1):
@@ -82,57 +89,49 @@ def test_float32_tangent_agrees_with_float64_tangent_of_the_same_weights(tp1):
 
 def test_probe_primal_logits_are_bit_identical_to_a_plain_forward(tp1, tp2):
     entries = [tp1["cases"][case] for case in CASES] + [
-        tp2["layouts"][layout][case] for layout in LAYOUTS for case in CASES
+        entry for _, _, entry in _layout_entries(tp2)
     ]
     for entry in entries:
         assert entry["primal_identical_fp64"] and entry["primal_identical_fp32"], entry
 
 
 def test_tp2_and_sequence_parallel_logits_and_tangent_equal_tp1(tp2):
-    for layout in LAYOUTS:
-        for case in CASES:
-            entry = tp2["layouts"][layout][case]
-            assert entry["sequence_parallel"] == (layout == "tp2_sp"), (layout, case)
-            assert entry["logits_rel_err_fp64"] < LAYOUT_REL_TOL_FP64, (layout, case, entry)
-            assert entry["tangent_rel_err_fp64"] < LAYOUT_REL_TOL_FP64, (layout, case, entry)
-            assert entry["logits_rel_err_fp32"] < LAYOUT_REL_TOL_FP32, (layout, case, entry)
-            assert entry["tangent_rel_err_fp32"] < LAYOUT_REL_TOL_FP32, (layout, case, entry)
+    for layout, case, entry in _layout_entries(tp2):
+        assert entry["sequence_parallel"] == (layout == "tp2_sp"), (layout, case)
+        assert entry["logits_rel_err_fp64"] < LAYOUT_REL_TOL_FP64, (layout, case, entry)
+        assert entry["tangent_rel_err_fp64"] < LAYOUT_REL_TOL_FP64, (layout, case, entry)
+        assert entry["logits_rel_err_fp32"] < LAYOUT_REL_TOL_FP32, (layout, case, entry)
+        assert entry["tangent_rel_err_fp32"] < LAYOUT_REL_TOL_FP32, (layout, case, entry)
 
 
 def test_tp2_and_sequence_parallel_predicted_kl_equals_tp1(tp2):
-    for layout in LAYOUTS:
-        for case in CASES:
-            entry = tp2["layouts"][layout][case]
-            assert entry["predicted_kl_vs_tp1_rel_err_fp64"] < PREDICTED_KL_LAYOUT_REL_TOL_FP64, (
-                layout, case, entry,
-            )
-            assert entry["predicted_kl_vs_tp1_rel_err_fp32"] < PREDICTED_KL_LAYOUT_REL_TOL_FP32, (
-                layout, case, entry,
-            )
+    for layout, case, entry in _layout_entries(tp2):
+        assert entry["predicted_kl_vs_tp1_rel_err_fp64"] < PREDICTED_KL_LAYOUT_REL_TOL_FP64, (
+            layout, case, entry,
+        )
+        assert entry["predicted_kl_vs_tp1_rel_err_fp32"] < PREDICTED_KL_LAYOUT_REL_TOL_FP32, (
+            layout, case, entry,
+        )
 
 
 def test_vocab_parallel_kl_equals_full_vocabulary_kl_of_gathered_logits(tp2):
-    for layout in LAYOUTS:
-        for case in CASES:
-            entry = tp2["layouts"][layout][case]
-            for tag in ("fp64", "fp32"):
-                assert entry[f"counts_equal_{tag}"], (layout, case, entry)
-                assert (
-                    entry[f"predicted_kl_parallel_vs_full_rel_err_{tag}"]
-                    < VOCAB_PARALLEL_PREDICTED_KL_REL_TOL
-                ), (layout, case, entry)
-                assert (
-                    entry[f"exact_kl_parallel_vs_full_rel_err_{tag}"]
-                    < VOCAB_PARALLEL_EXACT_KL_REL_TOL
-                ), (layout, case, entry)
+    for layout, case, entry in _layout_entries(tp2):
+        for tag in ("fp64", "fp32"):
+            assert entry[f"counts_equal_{tag}"], (layout, case, entry)
+            assert (
+                entry[f"predicted_kl_parallel_vs_full_rel_err_{tag}"]
+                < VOCAB_PARALLEL_PREDICTED_KL_REL_TOL
+            ), (layout, case, entry)
+            assert (
+                entry[f"exact_kl_parallel_vs_full_rel_err_{tag}"]
+                < VOCAB_PARALLEL_EXACT_KL_REL_TOL
+            ), (layout, case, entry)
 
 
 def test_token_sum_all_reduce_sums_total_and_count_over_the_group(tp2):
-    for layout in LAYOUTS:
-        for case in CASES:
-            entry = tp2["layouts"][layout][case]
-            for tag in ("fp64", "fp32"):
-                assert entry[f"all_reduced_doubles_sum_and_count_{tag}"], (layout, case, entry)
+    for layout, case, entry in _layout_entries(tp2):
+        for tag in ("fp64", "fp32"):
+            assert entry[f"all_reduced_doubles_sum_and_count_{tag}"], (layout, case, entry)
 
 
 def test_training_gradients_are_bit_identical_with_rules_installed_and_after_a_probe(tp1, tp2):

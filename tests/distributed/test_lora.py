@@ -16,6 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.layouts import (
+    LORA_LAYOUT_ADAPTER_REL_TOL,
+    LORA_LAYOUT_GRAD_NORM_REL_TOL,
+    LORA_LAYOUT_LOSS_REL_TOL,
+    WORKER_LAYOUTS,
+)
 from tests.torchrun import WORKERS, run_torchrun
 
 pytestmark = pytest.mark.distributed
@@ -26,16 +32,9 @@ FP64_REL_TOL = 1e-12
 # The adapters (B = 0.1 * N(0, 1)) must move the float64 loss far above that tolerance for the
 # merged-weight comparison to mean anything; observed 2e-3.
 MIN_ADAPTER_LOSS_EFFECT = 1e-4
-# fp32 Adam training where layouts differ only in reduction order. Measured over 4 steps:
-# losses equal to 1e-7 relative, grad norms to 4e-8, adapters to 4.2e-6 of each tensor's largest
-# entry (Adam's first steps are close to sign(g), which amplifies rounding of tiny gradient
-# entries). About 5x headroom, as in the LoGRA layout-invariance tests.
-LOSS_REL_TOL = 1e-6
-GRAD_NORM_REL_TOL = 1e-6
-ADAPTER_REL_TOL = 2e-5
 NUM_TARGETS = 8  # 2 layers x (linear_qkv, linear_proj, linear_fc1, linear_fc2)
 
-LAYOUTS = {"tp1": (1, 1, False), "tp2": (2, 2, False), "tp2_sp": (2, 2, True)}
+LAYOUTS = {name: WORKER_LAYOUTS[name] for name in ("tp1", "tp2", "tp2_sp")}
 _runs: dict[str, Path] = {}
 
 
@@ -44,7 +43,8 @@ def _run(name: str, root: Path) -> Path:
         nproc, tp, sp = LAYOUTS[name]
         out = root / name
         out.mkdir()
-        args = [str(WORKERS / "lora_worker.py"), "--tp", str(tp), "--out", str(out)]
+        args = [str(WORKERS / "lora_worker.py"), "--case", "measure", "--tp", str(tp),
+                "--out", str(out)]
         if sp:
             args.append("--sp")
         if name == "tp2":
@@ -113,11 +113,12 @@ def test_lora_training_at_tp2_matches_tp1_losses_grad_norms_and_adapters(tp2_and
     got = json.loads((tp2 / "result.json").read_text())["train"]
     want = json.loads((tp1 / "result.json").read_text())["train"]
     for g, w in zip(got["losses"], want["losses"], strict=True):
-        assert abs(g - w) <= LOSS_REL_TOL * abs(w), (got["losses"], want["losses"])
+        assert abs(g - w) <= LORA_LAYOUT_LOSS_REL_TOL * abs(w), (got["losses"], want["losses"])
     for g, w in zip(got["grad_norms"], want["grad_norms"], strict=True):
-        assert abs(g - w) <= GRAD_NORM_REL_TOL * abs(w), (got["grad_norms"], want["grad_norms"])
+        assert abs(g - w) <= LORA_LAYOUT_GRAD_NORM_REL_TOL * abs(w), (
+            got["grad_norms"], want["grad_norms"])
     adapters = torch.load(tp1 / "adapters.pt")
-    assert _max_rel_diff(torch.load(tp2 / "adapters.pt"), adapters) < ADAPTER_REL_TOL
+    assert _max_rel_diff(torch.load(tp2 / "adapters.pt"), adapters) < LORA_LAYOUT_ADAPTER_REL_TOL
 
 
 def test_lora_training_moves_only_the_adapters(measured):
@@ -138,8 +139,8 @@ def test_lora_checkpoint_saved_at_tp2_loads_at_tp1_with_identical_adapters(runs_
     (checkpoint,) = sorted((saved / "ckpt").glob("iter_*"))
     out = runs_root / "tp1_load"
     out.mkdir()
-    run_torchrun(1, [str(WORKERS / "lora_worker.py"), "--tp", "1", "--out", str(out),
-                     "--load", str(checkpoint)])
+    run_torchrun(1, [str(WORKERS / "lora_worker.py"), "--case", "load", "--tp", "1",
+                     "--out", str(out), "--checkpoint", str(checkpoint)])
     loaded, trained = torch.load(out / "loaded.pt"), torch.load(saved / "adapters.pt")
     assert sorted(loaded) == sorted(trained)
     for key, value in trained.items():

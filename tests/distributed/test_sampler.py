@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.layouts import SAMPLER_LAYOUTS as LAYOUTS
 from tests.torchrun import WORKERS, run_torchrun
 
 pytestmark = pytest.mark.distributed
 
 WORKER = str(WORKERS / "sampler_worker.py")
 CONFIGS = ("greedy", "sampled", "nucleus")
-LAYOUTS = ("tp2", "tp2_sp", "dp2", "pp2")
 SAMPLED_CONFIGS = ("sampled", "nucleus")
 TOP_P = {"greedy": 1.0, "sampled": 1.0, "nucleus": 0.5}
 
@@ -54,13 +54,13 @@ def out_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def tp1(out_dir) -> dict:
-    run_torchrun(1, [WORKER, "--out", str(out_dir)])
+    run_torchrun(1, [WORKER, "--case", "tp1", "--out", str(out_dir)])
     return json.loads((out_dir / "tp1.json").read_text())
 
 
 @pytest.fixture(scope="module")
 def layouts(out_dir) -> dict:
-    run_torchrun(2, [WORKER, "--out", str(out_dir)])
+    run_torchrun(2, [WORKER, "--case", "layouts", "--out", str(out_dir)])
     return json.loads((out_dir / "layouts.json").read_text())["layouts"]
 
 

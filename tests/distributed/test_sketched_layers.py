@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.layouts import WORKER_LAYOUTS as LAYOUTS
 from tests.torchrun import WORKERS, run_torchrun
 
 pytestmark = pytest.mark.distributed
@@ -25,12 +26,6 @@ SKETCH_REL_TOL_FP64 = 1e-12
 INPUT_GRAD_REL_TOL_FP64 = 1e-12
 FP32_BYTES = 4
 
-LAYOUTS = {
-    "tp1": (1, 1, False),
-    "tp2": (2, 2, False),
-    "tp2_sp": (2, 2, True),
-    "tp2_dp2_sp": (4, 2, True),
-}
 _cache: dict[str, dict] = {}
 
 
@@ -39,12 +34,12 @@ def measured(request, tmp_path_factory) -> dict:
     name = request.param
     if name not in _cache:
         nproc, tp, sp = LAYOUTS[name]
-        out = Path(tmp_path_factory.mktemp(f"sketched_{name}")) / "result.json"
+        out = Path(tmp_path_factory.mktemp(f"sketched_{name}"))
         args = [str(WORKERS / "sketched_layers_worker.py"), "--tp", str(tp), "--out", str(out)]
         if sp:
             args.append("--sp")
         run_torchrun(nproc, args)
-        _cache[name] = json.loads(out.read_text())
+        _cache[name] = json.loads((out / "result.json").read_text())
     return _cache[name]
 
 

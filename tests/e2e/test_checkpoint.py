@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -28,65 +29,46 @@ import torch
 
 from megatron_logra.mcore.checkpointing.checkpoint import KILL_DURING_SAVE_ENV, MANIFEST
 from megatron_logra.train.metrics import read_metrics
-from tests.torchrun import REPO, run_torchrun, torchrun_env
+from tests.cli_runs import CliRuns
+from tests.layouts import (
+    BF16_RESHARD_LOSS_REL_TOL,
+    BF16_RESHARD_WEIGHT_NORM_REL_TOL,
+    DISTOPT,
+    LAYOUTS,
+    PP2,
+    RESHARD_LOSS_REL_TOL,
+    RESHARD_WEIGHT_REL_TOL,
+    TP2,
+    max_entry_rel_err,
+    norm_rel_err,
+)
+from tests.presets import tiny_logra_run
+from tests.torchrun import REPO, torchrun_env
 
 pytestmark = pytest.mark.distributed
 
 CONFIG = REPO / "configs" / "demo_cpu.yaml"
 STEPS = 6
 BASE = [
-    "parallel.device=cpu", "parallel.tp=1", "model.num_layers=4", "model.hidden_size=64",
-    "model.num_attention_heads=4", "model.ffn_hidden_size=128", "model.seq_length=32",
-    "model.activation=swiglu", "model.normalization=RMSNorm", "model.add_bias_linear=false",
-    f"train.steps={STEPS}", "train.global_batch_size=8", "train.micro_batch_size=4",
-    "optimizer.name=logra", "optimizer.lr=0.01", "optimizer.lr_warmup_steps=0",
-    "logra.sketch_rank=8", "run.save_full_weights=true",
+    *tiny_logra_run(STEPS), "train.micro_batch_size=4", "optimizer.lr=0.01",
+    "optimizer.lr_warmup_steps=0", "run.save_full_weights=true",
 ]
-DISTOPT_DP2 = ["optimizer.use_distributed_optimizer=true"]
-TP2_PP2 = ["parallel.tp=2", "parallel.pp=2"]
-PP2_VPP2 = ["parallel.pp=2", "parallel.vpp=2"]
 BF16 = ["model.params_dtype=bf16", "optimizer.lr=0.002"]
-# Resharding changes fp32 reduction order (TP all-reduces, pipeline stages): the layout
-# invariance bounds of test_layout_invariance apply (measured here <= 2.1e-7 weights).
-RESHARD_LOSS_REL_TOL = 1e-6
-RESHARD_WEIGHT_REL_TOL = 2e-5
-# bf16 runs at different TP/PP layouts: bf16 compute rounding (measured: loss 1.8e-5, weights
-# 2.3e-3 per-tensor norm, ~0.6 bf16 ulp).
-BF16_LOSS_REL_TOL = 1e-3
-BF16_WEIGHT_NORM_REL_TOL = 1.5e-2
-
-_runs: dict[str, Path] = {}
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("checkpoints")
+def runs(tmp_path_factory, synthetic_data_dir) -> CliRuns:
+    return CliRuns(tmp_path_factory.mktemp("checkpoints"), "train", CONFIG, BASE,
+                   synthetic_data_dir)
 
 
-def _cli(nproc: int, overrides: list[str], data_dir: Path, run_dir: Path, ckpt: Path | None):
-    args = [*BASE, *overrides, f"data.dir={data_dir}", f"run.dir={run_dir}"]
-    if ckpt is not None:
-        args.append(f"checkpoint.dir={ckpt}")
-    return run_torchrun(nproc, ["-m", "megatron_logra", "train", str(CONFIG), *args])
+def _full(runs: CliRuns) -> Path:
+    """Six steps at DP=2 with the distributed optimizer, checkpointed."""
+    return runs.run("full", *LAYOUTS["dp2_distopt"], checkpointed=True)
 
 
-def _run(name: str, nproc: int, overrides: list[str], data_dir: Path, root: Path,
-         ckpt: Path | None = None) -> Path:
-    if name not in _runs:
-        _cli(nproc, overrides, data_dir, root / name, ckpt)
-        _runs[name] = root / name
-    return _runs[name]
-
-
-def _interrupted(name: str, first: tuple[int, list[str]], second: tuple[int, list[str]],
-                 data_dir: Path, root: Path) -> Path:
-    """Steps 1-3 at one layout, then resume and finish at another; one run directory."""
-    if name not in _runs:
-        ckpt = root / f"{name}_ckpt"
-        _cli(first[0], [*first[1], "train.exit_interval=3"], data_dir, root / name, ckpt)
-        _cli(second[0], [*second[1], "checkpoint.resume=true"], data_dir, root / name, ckpt)
-        _runs[name] = root / name
-    return _runs[name]
+def _reference_tp1(runs: CliRuns) -> Path:
+    return runs.run("reference_tp1", *LAYOUTS["tp1"])
 
 
 def _losses(run_dir: Path) -> list[float]:
@@ -99,6 +81,18 @@ def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return torch.load(run_dir / "full_weights.pt")
 
 
+def _assert_resumed_matches(resumed: Path, reference: Path, *, loss_rel_tol: float,
+                            weight_err: Callable[[torch.Tensor, torch.Tensor], float],
+                            weight_tol: float) -> None:
+    """Every step's loss within ``loss_rel_tol``, every final tensor within ``weight_tol``."""
+    for got, want in zip(_losses(resumed), _losses(reference), strict=True):
+        assert abs(got - want) <= loss_rel_tol * abs(want)
+    want_w, got_w = _weights(reference), _weights(resumed)
+    for key, tensor in want_w.items():
+        err = weight_err(got_w[key], tensor)
+        assert err < weight_tol, (key, err)
+
+
 def _digest(checkpoint: Path) -> str:
     result = subprocess.run(
         [sys.executable, str(REPO / "tools" / "checkpoint_digest.py"), str(checkpoint)],
@@ -109,65 +103,52 @@ def _digest(checkpoint: Path) -> str:
     return last.split()[1]
 
 
-def test_resume_is_bitwise_equal_to_the_uninterrupted_run(synthetic_data_dir, root):
-    full = _run("full", 2, DISTOPT_DP2, synthetic_data_dir, root, ckpt=root / "full_ckpt")
-    split = _interrupted("split", (2, DISTOPT_DP2), (2, DISTOPT_DP2), synthetic_data_dir, root)
+def test_resume_is_bitwise_equal_to_the_uninterrupted_run(runs):
+    full = _full(runs)
+    split = runs.resumed("split", LAYOUTS["dp2_distopt"], LAYOUTS["dp2_distopt"], stop_after=3)
     assert _losses(split) == _losses(full)
     want, got = _weights(full), _weights(split)
     assert all(torch.equal(got[k], want[k]) for k in want)
     final = f"iter_{STEPS:07d}"
-    assert _digest(root / "split_ckpt" / final) == _digest(root / "full_ckpt" / final)
+    assert _digest(runs.checkpoint_dir("split") / final) == _digest(
+        runs.checkpoint_dir("full") / final)
 
 
 @pytest.mark.parametrize(
     ("name", "first", "second"),
-    [("tp2pp2_to_tp1", (4, TP2_PP2), (1, [])),
+    [("tp2pp2_to_tp1", LAYOUTS["tp2_pp2"], LAYOUTS["tp1"]),
      # Virtual stages: every chunk's layers restart at local index 0, so this catches keys
      # that collide across chunks; loading at TP=2 x PP=2 reshards on the way in.
-     ("pp2vpp2_to_tp2pp2", (2, PP2_VPP2), (4, TP2_PP2))],
+     ("pp2vpp2_to_tp2pp2", LAYOUTS["pp2_vpp2"], LAYOUTS["tp2_pp2"])],
 )
-def test_resharded_resume_matches_the_uninterrupted_run(name, first, second,
-                                                        synthetic_data_dir, root):
-    reference = _run("reference_tp1", 1, [], synthetic_data_dir, root)
-    resumed = _interrupted(name, first, second, synthetic_data_dir, root)
-    for got, want in zip(_losses(resumed), _losses(reference), strict=True):
-        assert abs(got - want) <= RESHARD_LOSS_REL_TOL * abs(want)
-    want_w, got_w = _weights(reference), _weights(resumed)
-    for key, tensor in want_w.items():
-        err = float((got_w[key] - tensor).abs().max() / tensor.abs().max().clamp_min(1e-30))
-        assert err < RESHARD_WEIGHT_REL_TOL, (key, err)
+def test_resharded_resume_matches_the_uninterrupted_run(name, first, second, runs):
+    reference = _reference_tp1(runs)
+    resumed = runs.resumed(name, first, second, stop_after=3)
+    _assert_resumed_matches(resumed, reference, loss_rel_tol=RESHARD_LOSS_REL_TOL,
+                            weight_err=max_entry_rel_err, weight_tol=RESHARD_WEIGHT_REL_TOL)
 
 
-def test_bf16_sharded_master_state_reshards_from_dp2_to_tp2_pp2(synthetic_data_dir, root):
-    reference = _run("reference_bf16", 1, BF16, synthetic_data_dir, root)
-    resumed = _interrupted("bf16_dp2_to_tp2pp2", (2, BF16), (4, [*BF16, *TP2_PP2]),
-                           synthetic_data_dir, root)
-    for got, want in zip(_losses(resumed), _losses(reference), strict=True):
-        assert abs(got - want) <= BF16_LOSS_REL_TOL * abs(want)
-    want_w, got_w = _weights(reference), _weights(resumed)
-    for key, tensor in want_w.items():
-        err = float((got_w[key] - tensor).norm() / tensor.norm().clamp_min(1e-30))
-        assert err < BF16_WEIGHT_NORM_REL_TOL, (key, err)
+def test_bf16_sharded_master_state_reshards_from_dp2_to_tp2_pp2(runs):
+    reference = runs.run("reference_bf16", 1, BF16)
+    resumed = runs.resumed("bf16_dp2_to_tp2pp2", (2, BF16), (4, [*BF16, *TP2, *PP2]),
+                           stop_after=3)
+    _assert_resumed_matches(resumed, reference, loss_rel_tol=BF16_RESHARD_LOSS_REL_TOL,
+                            weight_err=norm_rel_err, weight_tol=BF16_RESHARD_WEIGHT_NORM_REL_TOL)
 
 
-def test_a_save_killed_half_way_leaves_the_previous_checkpoint_loadable(synthetic_data_dir,
-                                                                        root):
-    ckpt, run_dir = root / "killed_ckpt", root / "killed"
+def test_a_save_killed_half_way_leaves_the_previous_checkpoint_loadable(runs):
+    ckpt, run_dir = runs.root / "killed_ckpt", runs.root / "killed"
     env = torchrun_env() | {KILL_DURING_SAVE_ENV: "4"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node=1", "-m", "megatron_logra", "train", str(CONFIG), *BASE,
-               "checkpoint.interval=2", f"data.dir={synthetic_data_dir}", f"run.dir={run_dir}",
-               f"checkpoint.dir={ckpt}"]
-    assert _run_in_own_session(command, env, root / "killed.log") != 0
+    command = runs.torchrun_command(1, ["checkpoint.interval=2"], run_dir, ckpt)
+    assert _run_in_own_session(command, env, runs.root / "killed.log") != 0
     names = sorted(p.name for p in ckpt.iterdir())
     assert "iter_0000002" in names and "iter_0000004" not in names
     staged = [p for p in ckpt.iterdir() if p.name.startswith(".staging-iter_0000004")]
     assert len(staged) == 1 and not (staged[0] / MANIFEST).exists()
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     # Resuming picks step 2 and reproduces the uninterrupted run.
-    _cli(1, ["checkpoint.resume=true"], synthetic_data_dir, run_dir, ckpt)
-    reference = _run("reference_tp1", 1, [], synthetic_data_dir, root)
-    assert _losses(run_dir) == _losses(reference)
+    runs.launch(1, ["checkpoint.resume=true"], run_dir, ckpt)
+    assert _losses(run_dir) == _losses(_reference_tp1(runs))
 
 
 def _run_in_own_session(command: list[str], env: dict[str, str], log: Path) -> int:
@@ -200,11 +181,8 @@ def _copy_checkpoint(src: Path, dst: Path) -> Path:
     return dst
 
 
-def _resume_fails(data_dir: Path, run_dir: Path, ckpt: Path, extra: list[str]) -> str:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node=1", "-m", "megatron_logra", "train", str(CONFIG), *BASE,
-               *extra, "checkpoint.resume=true", f"data.dir={data_dir}", f"run.dir={run_dir}",
-               f"checkpoint.dir={ckpt}"]
+def _resume_fails(runs: CliRuns, run_dir: Path, ckpt: Path, extra: list[str]) -> str:
+    command = runs.torchrun_command(1, [*extra, "checkpoint.resume=true"], run_dir, ckpt)
     result = subprocess.run(command, env=torchrun_env(), capture_output=True, text=True,
                             timeout=300, cwd=REPO)
     assert result.returncode != 0
@@ -212,11 +190,10 @@ def _resume_fails(data_dir: Path, run_dir: Path, ckpt: Path, extra: list[str]) -
 
 
 @pytest.mark.parametrize("damage", ["flipped_byte", "truncated"])
-def test_a_corrupt_checkpoint_is_refused_naming_the_file(damage, synthetic_data_dir, root):
-    _run("two_steps", 1, ["train.exit_interval=2"], synthetic_data_dir, root,
-         ckpt=root / "two_steps_ckpt")
-    source = root / "two_steps_ckpt" / "iter_0000002"
-    ckpt = root / f"corrupt_{damage}"
+def test_a_corrupt_checkpoint_is_refused_naming_the_file(damage, runs):
+    runs.run("two_steps", 1, ["train.exit_interval=2"], checkpointed=True)
+    source = runs.checkpoint_dir("two_steps") / "iter_0000002"
+    ckpt = runs.root / f"corrupt_{damage}"
     copy = _copy_checkpoint(source, ckpt / "iter_0000002")
     victim = sorted(copy.glob("*.distcp"))[0]
     data = bytearray(victim.read_bytes())
@@ -225,25 +202,21 @@ def test_a_corrupt_checkpoint_is_refused_naming_the_file(damage, synthetic_data_
     else:
         data = data[: len(data) // 2]
     victim.write_bytes(bytes(data))
-    stderr = _resume_fails(synthetic_data_dir, root / f"run_{damage}", ckpt, [])
+    stderr = _resume_fails(runs, runs.root / f"run_{damage}", ckpt, [])
     assert victim.name in stderr and "corrupt" in stderr, stderr[-2000:]
 
 
-def test_resuming_with_incompatible_logra_settings_is_refused(synthetic_data_dir, root):
-    ckpt = root / "full_ckpt"
-    _run("full", 2, DISTOPT_DP2, synthetic_data_dir, root, ckpt=ckpt)
-    stderr = _resume_fails(synthetic_data_dir, root / "incompatible", ckpt,
-                           [*DISTOPT_DP2, "logra.seed=7", "logra.sketch_rank=16"])
+def test_resuming_with_incompatible_logra_settings_is_refused(runs):
+    _full(runs)
+    stderr = _resume_fails(runs, runs.root / "incompatible", runs.checkpoint_dir("full"),
+                           [*DISTOPT, "logra.seed=7", "logra.sketch_rank=16"])
     assert "seed: checkpoint 42 vs run 7" in stderr, stderr[-2000:]
     assert "sketch_rank: checkpoint 8 vs run 16" in stderr, stderr[-2000:]
 
 
-def test_sigterm_makes_every_rank_checkpoint_and_stop(synthetic_data_dir, root):
-    run_dir, ckpt = root / "preempted", root / "preempted_ckpt"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node=2", "-m", "megatron_logra", "train", str(CONFIG), *BASE,
-               "train.steps=400", f"data.dir={synthetic_data_dir}", f"run.dir={run_dir}",
-               f"checkpoint.dir={ckpt}"]
+def test_sigterm_makes_every_rank_checkpoint_and_stop(runs):
+    run_dir, ckpt = runs.root / "preempted", runs.root / "preempted_ckpt"
+    command = runs.torchrun_command(2, ["train.steps=400"], run_dir, ckpt)
     process = subprocess.Popen(command, env=torchrun_env(), stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, cwd=REPO)
     metrics = run_dir / "metrics.jsonl"

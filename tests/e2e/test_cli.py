@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from tests.presets import tiny_width
 from tests.torchrun import REPO, torchrun_env
 
 CONFIG = str(REPO / "configs" / "demo_cpu.yaml")
@@ -46,8 +47,7 @@ def test_train_mirrors_metrics_to_tensorboard_when_asked(synthetic_data_dir, tmp
 
     run_dir = tmp_path / "run"
     run_torchrun(1, ["-m", "megatron_logra", "train", CONFIG, "parallel.tp=1",
-                     "model.num_layers=1", "model.hidden_size=64", "model.ffn_hidden_size=128",
-                     "train.steps=2", f"data.dir={synthetic_data_dir}", f"run.dir={run_dir}",
+                     "model.num_layers=1", *tiny_width(), "train.steps=2", f"data.dir={synthetic_data_dir}", f"run.dir={run_dir}",
                      "run.tensorboard=true"])
     events = EventAccumulator(str(run_dir / "tensorboard"))
     events.Reload()

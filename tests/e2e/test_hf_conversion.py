@@ -28,6 +28,7 @@ import pytest
 import torch
 import yaml
 
+from tests.presets import tiny_width
 from tests.torchrun import REPO, WORKERS, run_torchrun, torchrun_env
 
 pytestmark = pytest.mark.distributed
@@ -316,7 +317,7 @@ def test_to_hf_of_a_training_checkpoint_holds_the_trained_weights_and_loads(
     run_dir, ckpt_dir, out = tmp_path / "run", tmp_path / "ckpt", tmp_path / "hf"
     run_torchrun(2, ["-m", "megatron_logra", "train", str(REPO / "configs" / "demo_cpu.yaml"),
                      "optimizer.name=logra", "optimizer.lr_warmup_steps=0", "train.steps=1",
-                     "model.hidden_size=64", "model.ffn_hidden_size=128",
+                     *tiny_width(),
                      f"data.dir={synthetic_data_dir}", f"run.dir={run_dir}",
                      "run.save_full_weights=true", f"checkpoint.dir={ckpt_dir}"])
     _tool("to-hf", str(ckpt_dir / "iter_0000001"), str(out))

@@ -10,22 +10,21 @@ weight decay, same weights -- at TP=1 and at TP=2 with sequence parallelism.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from megatron_logra.train.metrics import read_metrics
-from tests.torchrun import REPO, run_torchrun
+from tests.cli_runs import CliRuns
+from tests.layouts import LAYOUTS, SGD_PARITY_LAYOUTS, max_entry_rel_err
+from tests.presets import tiny_gpt
+from tests.torchrun import REPO
 
 pytestmark = pytest.mark.distributed
 
 CONFIG = REPO / "configs" / "demo_cpu.yaml"
 BASE = [
-    "parallel.device=cpu", "model.num_layers=2", "model.hidden_size=64",
-    "model.num_attention_heads=4", "model.ffn_hidden_size=128", "model.seq_length=32",
-    "model.activation=swiglu", "model.add_bias_linear=true", "train.steps=5",
-    "train.global_batch_size=8", "train.micro_batch_size=4", "optimizer.lr=0.2",
+    "parallel.device=cpu", *tiny_gpt(), "model.activation=swiglu", "model.add_bias_linear=true",
+    "train.steps=5", "train.global_batch_size=8", "train.micro_batch_size=4", "optimizer.lr=0.2",
     "optimizer.lr_warmup_steps=0", "optimizer.sgd_momentum=0.0", "optimizer.weight_decay=0.01",
     # A clip threshold below the first steps' gradient norms, so clipping is exercised.
     "optimizer.clip_grad=2.0", "run.save_full_weights=true",
@@ -36,34 +35,32 @@ LOGRA_IDENTITY = [
 ]
 # Same arithmetic up to fp32 summation order (S = H^T X A^T with A = I, and the norm through
 # the Gram matrix); measured <= 1e-7 relative on losses and norms, <= 1e-6 on weights.
-LOSS_REL_TOL = 1e-6
-GRAD_NORM_REL_TOL = 1e-5
-WEIGHT_REL_TOL = 1e-5
+SGD_PARITY_LOSS_REL_TOL = 1e-6
+SGD_PARITY_GRAD_NORM_REL_TOL = 1e-5
+SGD_PARITY_WEIGHT_REL_TOL = 1e-5
 
 
-def _train(nproc: int, overrides: list[str], data_dir: Path, run_dir: Path) -> Path:
-    run_torchrun(nproc, ["-m", "megatron_logra", "train", str(CONFIG), *BASE, *overrides,
-                         f"data.dir={data_dir}", f"run.dir={run_dir}"])
-    return run_dir
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, synthetic_data_dir) -> CliRuns:
+    return CliRuns(tmp_path_factory.mktemp("identity"), "train", CONFIG, BASE,
+                   synthetic_data_dir)
 
 
-@pytest.mark.parametrize("layout", ["tp1", "tp2_sp"])
-def test_identity_projection_with_sgd_direction_reproduces_megatron_sgd(
-    layout, synthetic_data_dir, tmp_path
-):
-    nproc, parallel = {"tp1": (1, ["parallel.tp=1"]),
-                       "tp2_sp": (2, ["parallel.tp=2", "parallel.sp=true"])}[layout]
-    dense = _train(nproc, [*parallel, "optimizer.name=sgd"], synthetic_data_dir, tmp_path / "sgd")
-    logra = _train(nproc, [*parallel, *LOGRA_IDENTITY], synthetic_data_dir, tmp_path / "logra")
+@pytest.mark.parametrize("layout", SGD_PARITY_LAYOUTS)
+def test_identity_projection_with_sgd_direction_reproduces_megatron_sgd(layout, runs):
+    nproc, parallel = LAYOUTS[layout]
+    dense = runs.run(f"sgd_{layout}", nproc, [*parallel, "optimizer.name=sgd"])
+    logra = runs.run(f"logra_{layout}", nproc, [*parallel, *LOGRA_IDENTITY])
     want, got = read_metrics(dense / "metrics.jsonl"), read_metrics(logra / "metrics.jsonl")
     assert len(got) == len(want) == 5
     # The clip threshold must actually bind in this comparison, or clipping is untested.
     assert want[0]["grad_norm"] > 2.0
     for a, b in zip(got, want, strict=True):
-        assert abs(a["loss"] - b["loss"]) <= LOSS_REL_TOL * abs(b["loss"]), (a, b)
-        assert abs(a["grad_norm"] - b["grad_norm"]) <= GRAD_NORM_REL_TOL * b["grad_norm"], (a, b)
+        assert abs(a["loss"] - b["loss"]) <= SGD_PARITY_LOSS_REL_TOL * abs(b["loss"]), (a, b)
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= (
+            SGD_PARITY_GRAD_NORM_REL_TOL * b["grad_norm"]), (a, b)
     w_got, w_want = torch.load(logra / "full_weights.pt"), torch.load(dense / "full_weights.pt")
     assert sorted(w_got) == sorted(w_want)
     for name, tensor in w_want.items():
-        err = float((w_got[name] - tensor).abs().max() / tensor.abs().max().clamp_min(1e-30))
-        assert err < WEIGHT_REL_TOL, f"{name}: {err:.2e}"
+        err = max_entry_rel_err(w_got[name], tensor)
+        assert err < SGD_PARITY_WEIGHT_REL_TOL, f"{name}: {err:.2e}"

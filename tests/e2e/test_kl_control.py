@@ -23,6 +23,18 @@ import pytest
 import torch
 
 from megatron_logra.train.metrics import read_metrics
+from tests.cli_runs import CliRuns
+from tests.layouts import (
+    DISTOPT,
+    KL_CONTROL_LAYOUT_ALPHA_REL_TOL,
+    KL_CONTROL_LAYOUT_KL_PREDICTED_REL_TOL,
+    KL_CONTROL_LAYOUT_KL_REALISED_REL_TOL,
+    KL_CONTROL_LAYOUT_WEIGHT_REL_TOL,
+    KL_CONTROL_LAYOUTS,
+    LAYOUTS,
+    max_entry_rel_err,
+)
+from tests.presets import tiny_logra_run
 from tests.torchrun import REPO, WORKERS, run_torchrun
 
 pytestmark = pytest.mark.distributed
@@ -30,11 +42,7 @@ pytestmark = pytest.mark.distributed
 CONFIG = REPO / "configs" / "demo_cpu.yaml"
 STEPS = 4
 BASE = [
-    "parallel.device=cpu", "parallel.tp=1", "model.num_layers=4", "model.hidden_size=64",
-    "model.num_attention_heads=4", "model.ffn_hidden_size=128", "model.seq_length=32",
-    "model.activation=swiglu", "model.normalization=RMSNorm", "model.add_bias_linear=false",
-    f"train.steps={STEPS}", "train.global_batch_size=8", "train.micro_batch_size=4",
-    "optimizer.name=logra", "logra.sketch_rank=8", "logra.mode=paper", "logra.kl_control.enabled=true",
+    *tiny_logra_run(STEPS), "train.micro_batch_size=4", "logra.mode=paper", "logra.kl_control.enabled=true",
     "logra.update_ratio=3e-2", "logra.kl_control.kl_budget=2e-4", "logra.kl_control.kl_budget_final=2e-4",
     # Probe sequences 0-5 of the global batch: split 4 + 2 over the two DP ranks at DP=2.
     "logra.kl_control.probe_responses=6",
@@ -42,65 +50,44 @@ BASE = [
     # between layouts); the bf16 default is exercised by the budget tests below.
     "logra.update_factor_dtype=fp32", "run.save_full_weights=true",
 ]
-LAYOUTS = {
-    "reference": (1, []),
-    "tp2_sp": (2, ["parallel.tp=2", "parallel.sp=true"]),
-    "pp2": (2, ["parallel.pp=2"]),
-    "pp2_vpp2": (2, ["parallel.pp=2", "parallel.vpp=2"]),
-    "dp2": (2, []),
-    "tp2_dp2_sp_distopt": (4, ["parallel.tp=2", "parallel.sp=true",
-                               "optimizer.use_distributed_optimizer=true"]),
-}
-# Layout comparisons: fp32 reduction-order noise. Measured: alpha <= 5.6e-7, predicted KL
-# <= 1.1e-6 (a float64 sum over fp32 logits), realised KL <= 2.1e-6 (a small difference of
-# nearby distributions, which amplifies fp32 noise), weights as in test_layout_invariance.
-ALPHA_REL_TOL = 1e-5
-KL_PREDICTED_REL_TOL = 1e-5
-KL_REALISED_REL_TOL = 5e-5
-WEIGHT_REL_TOL = 2e-5
 # The Fisher form is the KL's second-order term; at per-token KL ~2e-4 the third-order
 # remainder is ~1% (measured 0.1-2%). 5% flags a broken prediction, not curvature.
 PREDICTION_REL_TOL = 5e-2
 
-_runs: dict[str, Path] = {}
-
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("kl_control")
+def runs(tmp_path_factory, synthetic_data_dir) -> CliRuns:
+    return CliRuns(tmp_path_factory.mktemp("kl_control"), "train", CONFIG, BASE,
+                   synthetic_data_dir)
 
 
-def _run(name: str, nproc: int, overrides: list[str], data_dir: Path, root: Path) -> Path:
-    if name not in _runs:
-        run_torchrun(nproc, ["-m", "megatron_logra", "train", str(CONFIG), *BASE, *overrides,
-                             f"data.dir={data_dir}", f"run.dir={root / name}"])
-        _runs[name] = root / name
-    return _runs[name]
+def _reference(runs: CliRuns) -> Path:
+    return runs.run("reference", *LAYOUTS["tp1"])
 
 
 def _rel(a: float, b: float) -> float:
     return abs(a - b) / abs(b)
 
 
-@pytest.mark.parametrize("layout", [name for name in LAYOUTS if name != "reference"])
-def test_alpha_predicted_kl_and_update_are_layout_invariant(layout, synthetic_data_dir, root):
-    reference = _run("reference", *LAYOUTS["reference"], synthetic_data_dir, root)
-    candidate = _run(layout, *LAYOUTS[layout], synthetic_data_dir, root)
+@pytest.mark.parametrize("layout", KL_CONTROL_LAYOUTS)
+def test_alpha_predicted_kl_and_update_are_layout_invariant(layout, runs):
+    reference = _reference(runs)
+    candidate = runs.run(layout, *LAYOUTS[layout])
     want, got = read_metrics(reference / "metrics.jsonl"), read_metrics(candidate / "metrics.jsonl")
     assert len(got) == len(want) == STEPS
     for a, b in zip(got, want, strict=True):
-        assert _rel(a["alpha"], b["alpha"]) < ALPHA_REL_TOL, (a["step"], a["alpha"], b["alpha"])
-        assert _rel(a["kl_predicted"], b["kl_predicted"]) < KL_PREDICTED_REL_TOL
-        assert _rel(a["kl_realized"], b["kl_realized"]) < KL_REALISED_REL_TOL
+        assert _rel(a["alpha"], b["alpha"]) < KL_CONTROL_LAYOUT_ALPHA_REL_TOL, (
+            a["step"], a["alpha"], b["alpha"])
+        assert _rel(a["kl_predicted"], b["kl_predicted"]) < KL_CONTROL_LAYOUT_KL_PREDICTED_REL_TOL
+        assert _rel(a["kl_realized"], b["kl_realized"]) < KL_CONTROL_LAYOUT_KL_REALISED_REL_TOL
     w_want, w_got = torch.load(reference / "full_weights.pt"), torch.load(candidate / "full_weights.pt")
     for key, tensor in w_want.items():
-        err = float((w_got[key] - tensor).abs().max() / tensor.abs().max().clamp_min(1e-30))
-        assert err < WEIGHT_REL_TOL, (key, err)
+        err = max_entry_rel_err(w_got[key], tensor)
+        assert err < KL_CONTROL_LAYOUT_WEIGHT_REL_TOL, (key, err)
 
 
-def test_controller_is_active_and_realised_kl_matches_prediction(synthetic_data_dir, root):
-    records = read_metrics(_run("reference", *LAYOUTS["reference"], synthetic_data_dir, root)
-                           / "metrics.jsonl")
+def test_controller_is_active_and_realised_kl_matches_prediction(runs):
+    records = read_metrics(_reference(runs) / "metrics.jsonl")
     for record in records:
         # The update ratio proposes more than the budget: alpha < 1 scales it down.
         assert record["alpha"] < 1.0
@@ -109,20 +96,19 @@ def test_controller_is_active_and_realised_kl_matches_prediction(synthetic_data_
         assert _rel(record["kl_realized"], record["kl_predicted_scaled"]) < PREDICTION_REL_TOL
 
 
-def test_budget_holds_when_the_proposed_step_is_100x_too_large(synthetic_data_dir, root):
-    run = _run("too_large", 1, ["logra.update_ratio=3.0", "logra.update_factor_dtype=bf16"],
-               synthetic_data_dir, root)
+def test_budget_holds_when_the_proposed_step_is_100x_too_large(runs):
+    run = runs.run("too_large", 1, ["logra.update_ratio=3.0", "logra.update_factor_dtype=bf16"])
     for record in read_metrics(run / "metrics.jsonl"):
         assert record["alpha"] < 0.02  # the proposal is ~100x the budget's step
         assert record["kl_realized"] <= record["kl_budget_effective"] * (1 + PREDICTION_REL_TOL)
 
 
-def test_budget_schedule_and_mismatch_follow_the_controller_arithmetic(synthetic_data_dir, root):
+def test_budget_schedule_and_mismatch_follow_the_controller_arithmetic(runs):
     b0, b_final, horizon, gap, weight, floor = 4e-4, 1e-4, 4, 5e-5, 0.3, 0.5
-    run = _run("schedule", 1, [
+    run = runs.run("schedule", 1, [
         f"logra.kl_control.kl_budget={b0}", f"logra.kl_control.kl_budget_final={b_final}",
         f"logra.kl_control.schedule_steps={horizon}", f"logra.kl_control.mismatch_input={gap}",
-    ], synthetic_data_dir, root)
+    ])
     mismatch = 0.0
     for k, record in enumerate(read_metrics(run / "metrics.jsonl")):
         mismatch = (1 - weight) * mismatch + weight * gap
@@ -140,26 +126,19 @@ def test_budget_schedule_and_mismatch_follow_the_controller_arithmetic(synthetic
 @pytest.mark.parametrize(("nproc", "mode"), [(1, "paper"), (2, "library")])
 def test_poisoned_sketch_raises_and_leaves_every_weight_untouched(nproc, mode,
                                                                   synthetic_data_dir, tmp_path):
-    out = tmp_path / "result.json"
     run_torchrun(nproc, [str(WORKERS / "poisoned_sketch_worker.py"), "--data",
-                         str(synthetic_data_dir), "--out", str(out), "--mode", mode])
-    result = json.loads(out.read_text())
+                         str(synthetic_data_dir), "--out", str(tmp_path), "--mode", mode])
+    result = json.loads((tmp_path / "result.json").read_text())
     assert result["error"] is not None and "non-finite LoGRA sketch" in result["error"]
     assert result["weights_unchanged"]
     assert result["update_count"] == 0
     assert not result["controller_consulted"]
 
 
-def test_controller_state_survives_resume(synthetic_data_dir, root):
-    extra = ["logra.kl_control.mismatch_input=3e-5", "optimizer.use_distributed_optimizer=true"]
-    full = root / "resume_full"
-    run_torchrun(2, ["-m", "megatron_logra", "train", str(CONFIG), *BASE, *extra,
-                     f"data.dir={synthetic_data_dir}", f"run.dir={full}"])
-    split, ckpt = root / "resume_split", root / "resume_ckpt"
-    for stage in (["train.exit_interval=2"], ["checkpoint.resume=true"]):
-        run_torchrun(2, ["-m", "megatron_logra", "train", str(CONFIG), *BASE, *extra, *stage,
-                         f"data.dir={synthetic_data_dir}", f"run.dir={split}",
-                         f"checkpoint.dir={ckpt}"])
+def test_controller_state_survives_resume(runs):
+    extra = ["logra.kl_control.mismatch_input=3e-5", *DISTOPT]
+    full = runs.run("resume_full", 2, extra)
+    split = runs.resumed("resume_split", (2, extra), (2, extra), stop_after=2)
     want, got = read_metrics(full / "metrics.jsonl"), read_metrics(split / "metrics.jsonl")
     fields = ("loss", "alpha", "kl_predicted", "mismatch", "kl_budget_effective", "kl_realized")
     assert [[r[f] for f in fields] for r in got] == [[r[f] for f in fields] for r in want]

@@ -28,13 +28,14 @@ from megatron_logra.recipes import (
     train_recipe,
 )
 from megatron_logra.train.metrics import read_metrics
+from tests.presets import tiny_width
 from tests.torchrun import DEFAULT_TIMEOUT_S, REPO, torchrun_env
 
 CONFIG = str(REPO / "configs" / "demo_cpu.yaml")
 SINGLE_NODE = str(REPO / "launch" / "torchrun_single_node.sh")
 MULTI_NODE = str(REPO / "launch" / "torchrun_multi_node.sh")
 STEPS = 2
-TINY_MODEL = ["model.hidden_size=64", "model.ffn_hidden_size=128", "model.num_layers=1"]
+TINY_MODEL = [*tiny_width(), "model.num_layers=1"]
 # A dry run or a usage error does no work beyond bash and a `command -v`; generous for CI.
 SCRIPT_ONLY_WALL_S = 30
 # Variables the launch scripts read: cleared so that the test's own environment (a CI job that

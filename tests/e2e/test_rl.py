@@ -18,17 +18,18 @@ import pytest
 
 from megatron_logra.rl.eval_answers import eval_answers_path, read_eval_answers
 from megatron_logra.train.metrics import read_metrics
-from tests.torchrun import REPO, run_torchrun
+from tests.cli_runs import CliRuns
+from tests.layouts import LAYOUTS, RL_LAYOUT_ALPHA_REL_TOL, RL_LAYOUT_LOSS_REL_TOL, RL_LAYOUTS
+from tests.presets import tiny_gpt
+from tests.torchrun import REPO
 
 pytestmark = pytest.mark.distributed
 
 CONFIG = REPO / "configs" / "demo_rl_cpu.yaml"
 STEPS = 3
 BASE = [
-    "parallel.tp=1", "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
-    "model.ffn_hidden_size=128", "model.seq_length=32", f"train.steps={STEPS}",
-    "train.micro_batch_size=4", "rl.prompts_per_step=8", "rl.sampling.max_new_tokens=5",
-    "rl.eval.interval=2", "rl.eval.prompts=8", "rl.eval.samples=2",
+    "parallel.tp=1", *tiny_gpt(), f"train.steps={STEPS}", "train.micro_batch_size=4",
+    "rl.prompts_per_step=8", "rl.sampling.max_new_tokens=5", "rl.eval.interval=2", "rl.eval.prompts=8", "rl.eval.samples=2",
     "logra.kl_control.probe_responses=4", "logra.update_ratio=3e-2",
 ]
 STEP_FIELDS = (
@@ -38,36 +39,22 @@ STEP_FIELDS = (
     "tokens_per_s", "mem_bytes", "baseline",
 )
 EVAL_FIELDS = ("eval_pass@1", "eval_pass@k", "eval_greedy")
-# Layout comparisons: identical samples (counter-based sampling), fp32 reduction-order noise in
-# the losses (measured <= 3e-7 relative).
-LOSS_REL_TOL = 1e-5
-# alpha = sqrt(b_eff / m) with b_eff = b - M: the mismatch EMA M is the rollout-vs-trainer
-# log-prob gap, itself fp32 noise (~1e-7..1e-6) that differs between layouts. A change dM moves
-# alpha by dM / (2 b_eff) relative: with b = 2e-3 and dM <= 1e-6 that is <= 2.5e-4 (measured
-# 1.5e-5).
-ALPHA_REL_TOL = 5e-4
 # On-policy the sampler and the trainer compute the same log-probs up to fp32 rounding: the
 # mismatch the controller measures must stay at that level (measured |gap| ~1e-7).
 ON_POLICY_GAP_TOL = 1e-5
 
-_runs: dict[str, Path] = {}
-
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("rl")
+def runs(tmp_path_factory, synthetic_data_dir) -> CliRuns:
+    return CliRuns(tmp_path_factory.mktemp("rl"), "rl", CONFIG, BASE, synthetic_data_dir)
 
 
-def _rl(name: str, nproc: int, overrides: list[str], data_dir: Path, root: Path) -> Path:
-    if name not in _runs:
-        run_torchrun(nproc, ["-m", "megatron_logra", "rl", str(CONFIG), *BASE, *overrides,
-                             f"data.dir={data_dir}", f"run.dir={root / name}"])
-        _runs[name] = root / name
-    return _runs[name]
+def _layout_run(runs: CliRuns, layout: str) -> Path:
+    return runs.run(layout, *LAYOUTS[layout])
 
 
-def test_rl_run_logs_every_metric_field_and_writes_plots(synthetic_data_dir, root):
-    run = _rl("tp2", 2, ["parallel.tp=2"], synthetic_data_dir, root)
+def test_rl_run_logs_every_metric_field_and_writes_plots(runs):
+    run = _layout_run(runs, "tp2")
     records = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     for record in records[1:]:
@@ -94,47 +81,37 @@ def test_rl_run_logs_every_metric_field_and_writes_plots(synthetic_data_dir, roo
         assert (run / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize(
-    ("layout", "nproc", "overrides"),
-    [("tp2_sp", 2, ["parallel.tp=2", "parallel.sp=true"]), ("dp2", 2, []),
-     ("pp2", 2, ["parallel.pp=2"])],
-)
-def test_rl_samples_rewards_and_updates_are_layout_invariant(layout, nproc, overrides,
-                                                             synthetic_data_dir, root):
-    reference = read_metrics(_rl("tp1", 1, [], synthetic_data_dir, root) / "metrics.jsonl")
-    candidate = read_metrics(_rl(layout, nproc, overrides, synthetic_data_dir, root)
-                             / "metrics.jsonl")
+@pytest.mark.parametrize("layout", RL_LAYOUTS)
+def test_rl_samples_rewards_and_updates_are_layout_invariant(layout, runs):
+    reference_dir, candidate_dir = _layout_run(runs, "tp1"), _layout_run(runs, layout)
+    reference = read_metrics(reference_dir / "metrics.jsonl")
+    candidate = read_metrics(candidate_dir / "metrics.jsonl")
     assert len(candidate) == len(reference)
     for got, want in zip(candidate, reference, strict=True):
         for field in ("reward", "accuracy", "response_length", "tokens", *EVAL_FIELDS):
             assert got.get(field) == want.get(field), (layout, got["step"], field)
         if got["step"]:
-            assert abs(got["loss"] - want["loss"]) <= LOSS_REL_TOL * abs(want["loss"])
-            assert abs(got["alpha"] - want["alpha"]) <= ALPHA_REL_TOL * want["alpha"]
+            assert abs(got["loss"] - want["loss"]) <= RL_LAYOUT_LOSS_REL_TOL * abs(want["loss"])
+            assert abs(got["alpha"] - want["alpha"]) <= RL_LAYOUT_ALPHA_REL_TOL * want["alpha"]
         if "eval_greedy" in want:
             # Gathered over DP in global problem order: the same answers, problem by problem.
             step = want["step"]
-            assert read_eval_answers(eval_answers_path(_runs[layout], step)) == \
-                read_eval_answers(eval_answers_path(_runs["tp1"], step)), (layout, step)
+            assert read_eval_answers(eval_answers_path(candidate_dir, step)) == \
+                read_eval_answers(eval_answers_path(reference_dir, step)), (layout, step)
 
 
-def test_grpo_with_reference_kl_is_on_policy(synthetic_data_dir, root):
-    run = _rl("grpo", 1, ["rl.loss.name=grpo", "rl.samples_per_prompt=4", "rl.prompts_per_step=4",
-                          "rl.loss.grpo.kl_beta=0.01", "logra.mode=library", "logra.kl_control.enabled=false"],
-              synthetic_data_dir, root)
+def test_grpo_with_reference_kl_is_on_policy(runs):
+    run = runs.run("grpo", 1, ["rl.loss.name=grpo", "rl.samples_per_prompt=4", "rl.prompts_per_step=4",
+                               "rl.loss.grpo.kl_beta=0.01", "logra.mode=library", "logra.kl_control.enabled=false"])
     for record in read_metrics(run / "metrics.jsonl")[1:]:
         # One update per batch of rollouts: the trainer's "old" policy is the current one.
         assert record["ratio_mean"] == 1.0
         assert math.isfinite(record["loss"])
 
 
-def test_rl_resume_equals_the_uninterrupted_run(synthetic_data_dir, root):
-    full = _rl("tp1", 1, [], synthetic_data_dir, root)
-    split, ckpt = root / "split", root / "split_ckpt"
-    for stage in (["train.exit_interval=2"], ["checkpoint.resume=true"]):
-        run_torchrun(1, ["-m", "megatron_logra", "rl", str(CONFIG), *BASE, *stage,
-                         f"data.dir={synthetic_data_dir}", f"run.dir={split}",
-                         f"checkpoint.dir={ckpt}"])
+def test_rl_resume_equals_the_uninterrupted_run(runs):
+    full = _layout_run(runs, "tp1")
+    split = runs.resumed("split", (1, []), (1, []), stop_after=2)
     fields = ("loss", "reward", "baseline", "alpha", "mismatch", "kl_realized", *EVAL_FIELDS)
     want = [[r.get(f) for f in fields] for r in read_metrics(full / "metrics.jsonl")]
     got = [[r.get(f) for f in fields] for r in read_metrics(split / "metrics.jsonl")]

@@ -11,23 +11,18 @@ with Megatron's vocabulary padding stripped.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
-import os
-import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from harness import Case, run_worker
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-
-from megatron_logra.config import load_config  # noqa: E402
-from megatron_logra.mcore.checkpointing.checkpoint import load_model_weights  # noqa: E402
-from megatron_logra.mcore.conversion.hf import HF_SOURCE_FILE, MODEL_YAML  # noqa: E402
-from megatron_logra.mcore.models.gpt import build_model_chunks  # noqa: E402
-from megatron_logra.mcore.process_groups import destroy_parallel, init_parallel  # noqa: E402
+from megatron_logra.config import load_config
+from megatron_logra.mcore.checkpointing.checkpoint import load_model_weights
+from megatron_logra.mcore.conversion.hf import HF_SOURCE_FILE, MODEL_YAML
+from megatron_logra.mcore.models.gpt import build_model_chunks
 
 
 def _collect_logits(output: torch.Tensor, non_loss_data: bool = False) -> torch.Tensor:
@@ -42,52 +37,58 @@ def _forward_step(tokens: torch.Tensor, data_iterator, model):
     return model(tokens, positions, None), _collect_logits
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--converted", nargs="+", type=Path, required=True)
-    parser.add_argument("--tokens", type=Path, required=True)
-    parser.add_argument("--tp", type=int, required=True)
-    parser.add_argument("--pp", type=int, required=True)
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
+def build_configs(args, world: int) -> dict:
+    """Every converted model's config at the ``--tp`` / ``--pp`` layout, by directory name."""
+    batch, seq = torch.load(args.tokens).shape
+    layout = ["parallel.device=cpu", f"parallel.tp={args.tp}", f"parallel.pp={args.pp}",
+              f"model.seq_length={seq}", f"train.micro_batch_size={batch}",
+              f"train.global_batch_size={batch}"]
+    return {path.name: load_config(path / MODEL_YAML, layout).resolved(world)
+            for path in args.converted}
+
+
+def measure(args, _first_cfg, groups) -> None:
+    """Writes ``<out>/<name>.pt`` per converted model."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     tokens = torch.load(args.tokens)
     batch, seq = tokens.shape
-    layout = ["parallel.device=cpu", f"parallel.tp={args.tp}", f"parallel.pp={args.pp}",
-              f"model.seq_length={seq}", f"train.micro_batch_size={batch}",
-              f"train.global_batch_size={batch}"]
-    world = int(os.environ["WORLD_SIZE"])
-    configs = {path.name: load_config(path / MODEL_YAML, layout).resolved(world)
-               for path in args.converted}
-    groups = init_parallel(next(iter(configs.values())))
-    try:
-        for path in args.converted:
-            cfg = configs[path.name]
-            vocab = json.loads((path / HF_SOURCE_FILE).read_text())["config"]["vocab_size"]
-            chunks = build_model_chunks(cfg, groups, vocab_size=vocab)
-            load_model_weights(cfg.model.init_checkpoint, model_chunks=chunks, cfg=cfg,
-                               groups=groups)
-            for chunk in chunks:
-                chunk.eval()
-            with torch.no_grad():
-                collected = get_forward_backward_func()(
-                    forward_step_func=functools.partial(_forward_step, tokens),
-                    data_iterator=None, model=chunks, num_microbatches=1, seq_length=seq,
-                    micro_batch_size=batch, forward_only=True, collect_non_loss_data=True,
-                )
-            if groups.pp_rank != groups.pp_size - 1:
-                continue
-            (shard,) = collected
-            pieces = [torch.empty_like(shard) for _ in range(groups.tp_size)]
-            dist.all_gather(pieces, shard.contiguous(), group=groups.tp)
-            logits = torch.cat(pieces, dim=-1)[..., :vocab]
-            if groups.tp_rank == 0 and groups.dp_rank == 0:
-                args.out.mkdir(parents=True, exist_ok=True)
-                torch.save(logits.float().clone(), args.out / f"{path.name}.pt")
-    finally:
-        destroy_parallel()
+    configs = build_configs(args, groups.world_size)
+    for path in args.converted:
+        cfg = configs[path.name]
+        vocab = json.loads((path / HF_SOURCE_FILE).read_text())["config"]["vocab_size"]
+        chunks = build_model_chunks(cfg, groups, vocab_size=vocab)
+        load_model_weights(cfg.model.init_checkpoint, model_chunks=chunks, cfg=cfg,
+                           groups=groups)
+        for chunk in chunks:
+            chunk.eval()
+        with torch.no_grad():
+            collected = get_forward_backward_func()(
+                forward_step_func=functools.partial(_forward_step, tokens),
+                data_iterator=None, model=chunks, num_microbatches=1, seq_length=seq,
+                micro_batch_size=batch, forward_only=True, collect_non_loss_data=True,
+            )
+        if groups.pp_rank != groups.pp_size - 1:
+            continue
+        (shard,) = collected
+        pieces = [torch.empty_like(shard) for _ in range(groups.tp_size)]
+        dist.all_gather(pieces, shard.contiguous(), group=groups.tp)
+        logits = torch.cat(pieces, dim=-1)[..., :vocab]
+        if groups.tp_rank == 0 and groups.dp_rank == 0:
+            torch.save(logits.float().clone(), args.out / f"{path.name}.pt")
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--converted", nargs="+", type=Path, required=True)
+    parser.add_argument("--tokens", type=Path, required=True)
+    parser.add_argument("--tp", type=int, required=True)
+    parser.add_argument("--pp", type=int, required=True)
+
+
+def first_config(args, world: int):
+    """The config the process groups are set up with: every model shares --tp / --pp."""
+    return next(iter(build_configs(args, world).values()))
 
 
 if __name__ == "__main__":
-    main()
+    run_worker({"hf_logits": Case(first_config, measure)}, add_arguments)

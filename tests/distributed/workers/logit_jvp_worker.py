@@ -1,8 +1,9 @@
 """Measure the forward-mode logit probe on real Megatron-Core GPT models over gloo.
 
-Run under torchrun with 1 process (TP=1: the reference) or 2 processes (TP=2, with and without
-sequence parallelism, compared against the reference the 1-process run saved in ``--out``). Rank
-0 writes ``tp1.json`` or ``tp2.json`` to ``--out``; the pytest side asserts the claims.
+Run under torchrun with 1 process (``--case tp1``: the reference) or 2 processes (``--case tp2``:
+TP=2, with and without sequence parallelism, compared against the reference the 1-process run
+saved in ``--out``). Rank 0 writes ``tp1.json`` or ``tp2.json`` to ``--out``; the pytest side
+asserts the claims.
 
 Two probe cases, each built in fp32 and as an fp64 copy of the same weights:
 
@@ -31,42 +32,37 @@ Measurements (all errors are relative Frobenius norms):
 
 from __future__ import annotations
 
-import argparse
 import hashlib
-import json
-import os
-import sys
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from harness import Case, raised_errors, run_worker
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-
-from megatron_logra.config import load_config  # noqa: E402
-from megatron_logra.kl import (  # noqa: E402
+from megatron_logra.config import load_config
+from megatron_logra.kl import (
     exact_kl,
     exact_kl_vocab_parallel,
     predicted_kl,
     predicted_kl_vocab_parallel,
 )
-from megatron_logra.mcore.compat.forward_ad import (  # noqa: E402
+from megatron_logra.mcore.compat.forward_ad import (
     forward_ad_rules_installed,
     install_forward_ad_rules,
     patched_function_names,
 )
-from megatron_logra.mcore.kl_probe.logit_jvp import LowRankDirection, logit_jvp  # noqa: E402
-from megatron_logra.mcore.models.gpt import build_model  # noqa: E402
-from megatron_logra.mcore.models.sharding import (  # noqa: E402
+from megatron_logra.mcore.kl_probe.logit_jvp import LowRankDirection, logit_jvp
+from megatron_logra.mcore.models.gpt import build_model
+from megatron_logra.mcore.models.sharding import (
     full_shape,
     global_named_parameters,
     partition_of,
     shard_from_full,
 )
-from megatron_logra.mcore.models.targets import TARGET_PATHS, find_targets  # noqa: E402
-from megatron_logra.mcore.process_groups import destroy_parallel, init_parallel  # noqa: E402
-from megatron_logra.projection import generate_projection, projection_key  # noqa: E402
+from megatron_logra.mcore.models.targets import TARGET_PATHS, find_targets
+from megatron_logra.projection import generate_projection, projection_key
+from tests.layouts import LOGIT_JVP_LAYOUTS, WORKER_LAYOUTS, tp_sp
+from tests.presets import NARROW, tiny_gpt
 
 VOCAB = 100  # padded to 128 by the model: TP=2 shards are 64 wide, the second half padding-heavy
 SEQ = 16
@@ -92,10 +88,9 @@ CASES: dict[str, dict[str, Any]] = {
 
 def build_cfg(tp: int, sp: bool, world: int, case_overrides: list[str]):
     overrides = [
-        "parallel.device=cpu", f"parallel.tp={tp}", f"parallel.sp={str(sp).lower()}",
-        "model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=4",
-        "model.ffn_hidden_size=64", f"model.seq_length={SEQ}", "model.add_bias_linear=true",
-        "train.micro_batch_size=1", "train.global_batch_size=2", *case_overrides,
+        "parallel.device=cpu", *tp_sp(tp, sp), *tiny_gpt(**NARROW, seq_length=SEQ),
+        "model.add_bias_linear=true", "train.micro_batch_size=1", "train.global_batch_size=2",
+        *case_overrides,
     ]
     return load_config(None, overrides).resolved(world)
 
@@ -266,9 +261,7 @@ def probe(model, targets, groups, case, dtype):
     )
 
 
-def run_reference(out_dir: Path) -> dict[str, Any]:
-    cfg = build_cfg(1, False, 1, CASES["targets"]["overrides"])
-    groups = init_parallel(cfg)
+def run_reference(args, cfg, groups) -> dict[str, Any]:
     report: dict[str, Any] = {"gradients": gradient_check(cfg, groups), "cases": {}}
     saved: dict[str, Any] = {}
     for name, case in CASES.items():
@@ -314,7 +307,7 @@ def run_reference(out_dir: Path) -> dict[str, Any]:
                 )
         report["cases"][name] = entry
     report["errors"] = error_paths(groups)
-    torch.save(saved, out_dir / "reference.pt")
+    torch.save(saved, args.out / "reference.pt")
     return report
 
 
@@ -358,27 +351,18 @@ def error_paths(groups) -> dict[str, str]:
             handle.remove()
 
     calls["tangent_lost"] = lost
-    raised = {}
-    for name, call in calls.items():
-        try:
-            call()
-        except (ValueError, RuntimeError) as error:
-            raised[name] = f"{type(error).__name__}: {error}"
-            continue
-        raised[name] = "no exception"
-    return raised
+    return raised_errors(calls)
 
 
-def run_layouts(out_dir: Path) -> dict[str, Any]:
-    reference = torch.load(out_dir / "reference.pt")
-    cfg = build_cfg(2, False, 2, CASES["targets"]["overrides"])
-    groups = init_parallel(cfg)
+def run_layouts(args, cfg, groups) -> dict[str, Any]:
+    reference = torch.load(args.out / "reference.pt")
     sp_cfg = build_cfg(2, True, 2, CASES["targets"]["overrides"])
     report: dict[str, Any] = {"gradients_tp2_sp": gradient_check(sp_cfg, groups), "layouts": {}}
-    for layout, sp in (("tp2", False), ("tp2_sp", True)):
+    for layout in LOGIT_JVP_LAYOUTS:
+        _, tp, sp = WORKER_LAYOUTS[layout]
         layout_report: dict[str, Any] = {}
         for name, case in CASES.items():
-            cfg = build_cfg(2, sp, 2, case["overrides"])
+            cfg = build_cfg(tp, sp, 2, case["overrides"])
             models = build_models(cfg, groups, case)
             entry: dict[str, Any] = {}
             for dtype in (torch.float64, torch.float32):
@@ -432,23 +416,16 @@ def run_layouts(out_dir: Path) -> dict[str, Any]:
     return report
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
-    world = int(os.environ["WORLD_SIZE"])
-    try:
-        if world == 1:
-            report, name = run_reference(args.out), "tp1.json"
-        elif world == 2:
-            report, name = run_layouts(args.out), "tp2.json"
-        else:
-            raise ValueError(f"run with 1 or 2 processes, not {world}")
-        if dist.get_rank() == 0:
-            (args.out / name).write_text(json.dumps(report, indent=2, allow_nan=True))
-    finally:
-        destroy_parallel()
+def tp1_cfg(args, world: int):
+    return build_cfg(1, False, 1, CASES["targets"]["overrides"])
+
+
+def tp2_cfg(args, world: int):
+    return build_cfg(2, False, 2, CASES["targets"]["overrides"])
 
 
 if __name__ == "__main__":
-    main()
+    run_worker({
+        "tp1": Case(tp1_cfg, run_reference, output="tp1.json", world_sizes=(1,)),
+        "tp2": Case(tp2_cfg, run_layouts, output="tp2.json", world_sizes=(2,)),
+    })

@@ -1,6 +1,7 @@
 """Measure LoRA adapters on real Megatron-Core layers over gloo, for tests/distributed/test_lora.py.
 
-Run under torchrun; ``--tp`` and ``--sp`` pick the layout (dp = 1). Rank 0 writes into ``--out``:
+Run under torchrun; ``--tp`` and ``--sp`` pick the layout (dp = 1). ``--case measure``: rank 0
+writes into ``--out``:
 
 * ``result.json``:
   * ``init``: whether the LoRA model at initialisation (B = 0) gives bitwise the base model's
@@ -15,46 +16,40 @@ Run under torchrun; ``--tp`` and ``--sp`` pick the layout (dp = 1). Rank 0 write
 * ``adapters.pt``: the full fp32 adapters after training;
 * ``ckpt/``: with ``--save``, a checkpoint of the trained LoRA setup.
 
-With ``--load CKPT`` the worker instead builds the LoRA setup, loads the checkpoint (any layout)
-and writes the loaded full adapters to ``loaded.pt``.
+``--case load --checkpoint CKPT``: the worker instead builds the LoRA setup, loads the checkpoint
+(any layout) and writes the loaded full adapters to ``loaded.pt``.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
-import os
-import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-
-from megatron.core.distributed import (  # noqa: E402
+from harness import Case, run_worker
+from megatron.core.distributed import (
     DistributedDataParallel,
     DistributedDataParallelConfig,
 )
-from megatron.core.distributed.finalize_model_grads import finalize_model_grads  # noqa: E402
-from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region  # noqa: E402
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-from megatron_logra.config import TARGET_NAMES, load_config  # noqa: E402
-from megatron_logra.data.lm_batches import Microbatch  # noqa: E402
-from megatron_logra.mcore.checkpointing.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
-from megatron_logra.mcore.models.gpt import build_model  # noqa: E402
-from megatron_logra.mcore.models.sharding import (  # noqa: E402
+from megatron_logra.config import TARGET_NAMES, load_config
+from megatron_logra.data.lm_batches import Microbatch
+from megatron_logra.mcore.checkpointing.checkpoint import load_checkpoint, save_checkpoint
+from megatron_logra.mcore.models.gpt import build_model
+from megatron_logra.mcore.models.sharding import (
     gather_full,
     global_named_parameters,
     partition_of,
     shard_from_full,
 )
-from megatron_logra.mcore.models.targets import find_targets  # noqa: E402
-from megatron_logra.mcore.peft.lora import attach_lora, lora_adapters  # noqa: E402
-from megatron_logra.mcore.process_groups import init_parallel  # noqa: E402
-from megatron_logra.mcore.training.setup import setup_training  # noqa: E402
-from megatron_logra.mcore.training.step import train_step  # noqa: E402
+from megatron_logra.mcore.models.targets import find_targets
+from megatron_logra.mcore.peft.lora import attach_lora, lora_adapters
+from megatron_logra.mcore.training.setup import setup_training
+from megatron_logra.mcore.training.step import train_step
+from tests.layouts import tp_sp
+from tests.presets import NARROW, tiny_gpt
 
 VOCAB = 100
 SEQ, MICRO_BATCH = 16, 2
@@ -62,14 +57,12 @@ LORA_RANK, ALPHA, LORA_SEED = 4, 8.0, 3
 TRAIN_STEPS = 4
 
 
-def build_cfg(tp: int, sp: bool, world: int, lora_seed: int = LORA_SEED):
+def build_cfg(args, world: int, lora_seed: int = LORA_SEED):
     overrides = [
-        "parallel.device=cpu", f"parallel.tp={tp}", f"parallel.sp={str(sp).lower()}",
-        "model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=4",
-        "model.ffn_hidden_size=64", f"model.seq_length={SEQ}", "model.activation=swiglu",
-        "model.add_bias_linear=true", "optimizer.name=lora", f"lora.lora_rank={LORA_RANK}",
-        f"lora.alpha={ALPHA}", f"lora.seed={lora_seed}", "optimizer.lr=0.01",
-        "optimizer.clip_grad=1.0", f"train.steps={TRAIN_STEPS}",
+        "parallel.device=cpu", *tp_sp(args.tp, args.sp), *tiny_gpt(**NARROW, seq_length=SEQ),
+        "model.activation=swiglu", "model.add_bias_linear=true", "optimizer.name=lora",
+        f"lora.lora_rank={LORA_RANK}", f"lora.alpha={ALPHA}", f"lora.seed={lora_seed}",
+        "optimizer.lr=0.01", "optimizer.clip_grad=1.0", f"train.steps={TRAIN_STEPS}",
         f"train.micro_batch_size={MICRO_BATCH}", f"train.global_batch_size={MICRO_BATCH}",
     ]
     return load_config(None, overrides).resolved(world)
@@ -237,42 +230,35 @@ def measure_training(cfg, groups, out_dir: Path, save: bool) -> dict:
     }
 
 
-def load_trained(cfg, groups, checkpoint: Path, out_dir: Path) -> None:
+def load_trained(args, cfg, groups) -> None:
+    if args.checkpoint is None:
+        raise ValueError("--case load needs --checkpoint")
     model = build_model(cfg, groups, VOCAB)
     # Another adapter seed: A and B must both come from the checkpoint.
     cfg = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, seed=LORA_SEED + 1))
     setup = setup_training(cfg, [model], groups)
-    load_checkpoint(checkpoint, setup=setup, cfg=cfg, groups=groups)
+    load_checkpoint(args.checkpoint, setup=setup, cfg=cfg, groups=groups)
     full = full_adapter_tensors(lora_adapters(setup.model_chunks), groups, grads=False)
     if groups.world_rank == 0:
-        torch.save(full, out_dir / "loaded.pt")
+        torch.save(full, args.out / "loaded.pt")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def measure(args, cfg, groups) -> dict:
+    return {
+        "layout": {"tp": groups.tp_size, "sp": args.sp},
+        "init": measure_init(cfg, groups),
+        "fp64": measure_fp64(cfg, groups, args.out),
+        "train": measure_training(cfg, groups, args.out, args.save),
+    }
+
+
+def add_arguments(parser) -> None:
     parser.add_argument("--tp", type=int, required=True)
     parser.add_argument("--sp", action="store_true")
-    parser.add_argument("--out", required=True)
     parser.add_argument("--save", action="store_true")
-    parser.add_argument("--load")
-    args = parser.parse_args()
-    world = int(os.environ["WORLD_SIZE"])
-    cfg = build_cfg(args.tp, args.sp, world)
-    groups = init_parallel(cfg)
-    out_dir = Path(args.out)
-    if args.load:
-        load_trained(cfg, groups, Path(args.load), out_dir)
-    else:
-        result = {
-            "layout": {"tp": groups.tp_size, "sp": args.sp},
-            "init": measure_init(cfg, groups),
-            "fp64": measure_fp64(cfg, groups, out_dir),
-            "train": measure_training(cfg, groups, out_dir, args.save),
-        }
-        if groups.world_rank == 0:
-            (out_dir / "result.json").write_text(json.dumps(result, indent=2))
-    dist.barrier()
+    parser.add_argument("--checkpoint", type=Path)
 
 
 if __name__ == "__main__":
-    main()
+    run_worker({"measure": Case(build_cfg, measure), "load": Case(build_cfg, load_trained)},
+               add_arguments)

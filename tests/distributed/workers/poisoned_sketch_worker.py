@@ -2,50 +2,37 @@
 
 Builds the real training setup (paper mode + KL control, or library mode), runs one real
 forward/backward through Megatron's schedule, poisons one sketch entry, and calls the optimizer
-step. Writes JSON: the exception raised, whether every parameter is bit-identical to before,
-the update count, and whether the KL controller was consulted.
+step. Writes ``--out/result.json``: the exception raised, whether every parameter is
+bit-identical to before, the update count, and whether the KL controller was consulted.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import sys
-from pathlib import Path
-
 import torch
-import torch.distributed as dist
+from harness import Case, run_worker
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-
-from megatron_logra.config import load_config  # noqa: E402
-from megatron_logra.data.dataset_dir import load_tokenizer, load_tokens  # noqa: E402
-from megatron_logra.data.lm_batches import LMBatchSchedule  # noqa: E402
-from megatron_logra.mcore.kl_probe.step_control import ProbeBatch  # noqa: E402
-from megatron_logra.mcore.models.gpt import build_model_chunks  # noqa: E402
-from megatron_logra.mcore.process_groups import init_parallel  # noqa: E402
-from megatron_logra.mcore.training.forward_backward import forward_backward  # noqa: E402
-from megatron_logra.mcore.training.setup import setup_training  # noqa: E402
-from megatron_logra.mcore.training.step import _forward_step  # noqa: E402
+from megatron_logra.config import load_config
+from megatron_logra.data.dataset_dir import load_tokenizer, load_tokens
+from megatron_logra.data.lm_batches import LMBatchSchedule
+from megatron_logra.mcore.kl_probe.step_control import ProbeBatch
+from megatron_logra.mcore.models.gpt import build_model_chunks
+from megatron_logra.mcore.training.forward_backward import forward_backward
+from megatron_logra.mcore.training.setup import setup_training
+from megatron_logra.mcore.training.step import _forward_step
+from tests.presets import tiny_gpt
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--data", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--mode", choices=["paper", "library"], required=True)
-    args = parser.parse_args()
-    world = int(os.environ["WORLD_SIZE"])
+def build_cfg(args, world: int):
     overrides = [
-        "parallel.device=cpu", f"parallel.tp={world}", "model.num_layers=2",
-        "model.hidden_size=64", "model.num_attention_heads=4", "model.ffn_hidden_size=128",
-        "model.seq_length=32", "train.micro_batch_size=4", "train.global_batch_size=4",
+        "parallel.device=cpu", f"parallel.tp={world}", *tiny_gpt(),
+        "train.micro_batch_size=4", "train.global_batch_size=4",
         "optimizer.name=logra", f"logra.mode={args.mode}", "logra.kl_control.enabled=true",
         f"data.dir={args.data}",
     ]
-    cfg = load_config(None, overrides).resolved(world)
-    groups = init_parallel(cfg)
+    return load_config(None, overrides).resolved(world)
+
+
+def measure(args, cfg, groups):
     tokenizer = load_tokenizer(cfg.data.dir)
     schedule = LMBatchSchedule(load_tokens(cfg.data.dir), seq_length=32, global_batch_size=4,
                                seed=cfg.train.seed)
@@ -82,16 +69,18 @@ def main() -> None:
         error = str(exc)
     after = {name: p.detach() for chunk in setup.model_chunks
              for name, p in chunk.named_parameters()}
-    result = {
+    return {
         "error": error,
         "weights_unchanged": all(torch.equal(before[n], after[n]) for n in before),
         "update_count": setup.logra.update_count,
         "controller_consulted": bool(consulted),
     }
-    if groups.world_rank == 0:
-        Path(args.out).write_text(json.dumps(result))
-    dist.barrier()
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--data", required=True)
+    parser.add_argument("--mode", choices=["paper", "library"], required=True)
 
 
 if __name__ == "__main__":
-    main()
+    run_worker({"poisoned_sketch": Case(build_cfg, measure)}, add_arguments)

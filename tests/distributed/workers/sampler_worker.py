@@ -1,8 +1,9 @@
 """Measure the Megatron rollout engine on real Megatron-Core GPT models over gloo.
 
-Run under torchrun with 1 process (TP=1: the reference; writes ``tp1.json``) or 2 processes (one
-after another in the same job: TP=2, TP=2 with sequence parallelism, DP=2 and PP=2; writes
-``layouts.json``) into ``--out``. The pytest side asserts the claims.
+Run under torchrun with 1 process (``--case tp1``, the reference; writes ``tp1.json``) or 2
+processes (``--case layouts``, one after another in the same job: TP=2, TP=2 with sequence
+parallelism, DP=2 and PP=2; writes ``layouts.json``) into ``--out``. The pytest side asserts the
+claims.
 
 Every layout builds the same tiny fp32 GPT (layout-independent initialisation from one seed;
 rotary positions, grouped-query attention) and generates responses to the same six prompts of
@@ -30,32 +31,25 @@ full-vocabulary autograd reference, and that ranks given different requests refu
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import math
-import os
-import sys
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from harness import Case, raised_errors, run_worker, switch_layout
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-
-from megatron.core import parallel_state  # noqa: E402
-
-from megatron_logra.config import load_config  # noqa: E402
-from megatron_logra.mcore.inference.sampler import MegatronSampler  # noqa: E402
-from megatron_logra.mcore.inference.token_logprobs import (  # noqa: E402
+from megatron_logra.config import load_config
+from megatron_logra.mcore.inference.sampler import MegatronSampler
+from megatron_logra.mcore.inference.token_logprobs import (
     compute_token_logprobs,
     token_logprobs_from_logits,
 )
-from megatron_logra.mcore.models.gpt import build_model_chunks  # noqa: E402
-from megatron_logra.mcore.models.sharding import global_named_parameters  # noqa: E402
-from megatron_logra.mcore.process_groups import destroy_parallel, init_parallel  # noqa: E402
-from megatron_logra.rl.rollout import RolloutBatch, SamplingParams  # noqa: E402
+from megatron_logra.mcore.models.gpt import build_model_chunks
+from megatron_logra.mcore.models.sharding import global_named_parameters
+from megatron_logra.rl.rollout import RolloutBatch, SamplingParams
+from tests.layouts import LAYOUTS, SAMPLER_LAYOUTS
+from tests.presets import NARROW, tiny_gpt
 
 VOCAB = 100  # padded to 128 by the model: padding ids exist and must never be sampled
 SEED = 20260
@@ -66,22 +60,20 @@ CONFIGS: dict[str, SamplingParams] = {
     "sampled": SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0),
     "nucleus": SamplingParams(max_new_tokens=MAX_NEW, temperature=0.7, top_p=0.5),
 }
-LAYOUTS: dict[str, list[str]] = {
-    "tp2": ["parallel.tp=2"],
-    "tp2_sp": ["parallel.tp=2", "parallel.sp=true"],
-    "dp2": [],
-    "pp2": ["parallel.pp=2"],
-}
 
 
 def build_cfg(world: int, overrides: list[str]):
     base = [
-        "parallel.device=cpu", "model.num_layers=2", "model.hidden_size=32",
-        "model.num_attention_heads=4", "model.num_query_groups=2", "model.ffn_hidden_size=64",
-        "model.seq_length=32", "model.init_method_std=0.2", "train.micro_batch_size=1",
-        "train.global_batch_size=2", "train.seed=5",
+        "parallel.device=cpu", *tiny_gpt(**NARROW), "model.num_query_groups=2",
+        "model.init_method_std=0.2", "train.micro_batch_size=1", "train.global_batch_size=2",
+        "train.seed=5",
     ]
     return load_config(None, base + overrides).resolved(world)
+
+
+def layout_cfg(layout: str):
+    nproc, overrides = LAYOUTS[layout]
+    return build_cfg(nproc, overrides)
 
 
 def make_prompts() -> list[list[int]]:
@@ -162,9 +154,7 @@ def nucleus_reference(logits_V: torch.Tensor, temperature: float, top_p: float) 
 # ----------------------------------------------------------------------------- 1 process
 
 
-def run_reference() -> dict[str, Any]:
-    cfg = build_cfg(1, [])
-    groups = init_parallel(cfg)
+def run_reference(args, cfg, groups) -> dict[str, Any]:
     chunks = build_model_chunks(cfg, groups, vocab_size=VOCAB)
     model = chunks[0]
     sampler = MegatronSampler(chunks, groups, vocab_size=VOCAB)
@@ -293,15 +283,7 @@ def error_paths(chunks, groups, prompts) -> dict[str, str]:
             groups, vocab_size=VOCAB,
         ).generate([[1] * 30], SamplingParams(max_new_tokens=3), seed=0),
     }
-    raised = {}
-    for name, call in calls.items():
-        try:
-            call()
-        except (ValueError, RuntimeError) as error:
-            raised[name] = f"{type(error).__name__}: {error}"
-            continue
-        raised[name] = "no exception"
-    return raised
+    return raised_errors(calls)
 
 
 # ----------------------------------------------------------------------------- 2 processes
@@ -337,12 +319,14 @@ def vocab_parallel_gradient_check(groups) -> dict[str, float]:
     }
 
 
-def run_layouts() -> dict[str, Any]:
+def run_layouts(args, cfg, groups) -> dict[str, Any]:
+    """Every layout of SAMPLER_LAYOUTS in turn; the harness set up the first."""
     prompts = make_prompts()
     report: dict[str, Any] = {"layouts": {}}
-    for layout, overrides in LAYOUTS.items():
-        cfg = build_cfg(2, overrides)
-        groups = init_parallel(cfg)
+    for layout in SAMPLER_LAYOUTS:
+        if layout != SAMPLER_LAYOUTS[0]:
+            cfg = layout_cfg(layout)
+            groups = switch_layout(cfg)
         chunks = build_model_chunks(cfg, groups, vocab_size=VOCAB)
         sampler = MegatronSampler(chunks, groups, vocab_size=VOCAB)
         entry: dict[str, Any] = {
@@ -379,27 +363,13 @@ def run_layouts() -> dict[str, Any]:
             except RuntimeError as error:
                 entry["mismatched_request"] = f"RuntimeError: {error}"
         report["layouts"][layout] = entry
-        parallel_state.destroy_model_parallel()
     return report
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
-    world = int(os.environ["WORLD_SIZE"])
-    try:
-        if world == 1:
-            report, name = run_reference(), "tp1.json"
-        elif world == 2:
-            report, name = run_layouts(), "layouts.json"
-        else:
-            raise ValueError(f"run with 1 or 2 processes, not {world}")
-        if dist.get_rank() == 0:
-            (args.out / name).write_text(json.dumps(report, indent=2))
-    finally:
-        destroy_parallel()
-
-
 if __name__ == "__main__":
-    main()
+    run_worker({
+        "tp1": Case(lambda args, world: build_cfg(1, []), run_reference, output="tp1.json",
+                    world_sizes=(1,)),
+        "layouts": Case(lambda args, world: layout_cfg(SAMPLER_LAYOUTS[0]), run_layouts,
+                        output="layouts.json", world_sizes=(2,)),
+    })

@@ -1,7 +1,8 @@
 """Measure, on real Megatron-Core layers over gloo, what the sketched linears do.
 
 Run under torchrun with 1, 2 or 4 processes; ``--tp`` and ``--sp`` pick the layout (dp follows).
-Rank 0 writes a JSON of measurements to ``--out``; the pytest side asserts the claims:
+Rank 0 writes a JSON of measurements to ``--out/result.json``; the pytest side asserts the
+claims:
 
 * ``sketch``: per target kind, max |S - G A^T| / max |G A^T| in float64, where S is the sketch the
   layer accumulated (row-parallel partials summed over TP) and G the dense gradient of an
@@ -17,37 +18,30 @@ Rank 0 writes a JSON of measurements to ``--out``; the pytest side asserts the c
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import sys
-from pathlib import Path
-
 import torch
 import torch.distributed as dist
+from harness import Case, run_worker
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-
-from megatron_logra.config import load_config  # noqa: E402
-from megatron_logra.mcore.models.gpt import build_model  # noqa: E402
-from megatron_logra.mcore.models.targets import find_targets  # noqa: E402
-from megatron_logra.mcore.process_groups import init_parallel  # noqa: E402
-from megatron_logra.mcore.tensor_parallel.sketched_linear import LayerSketch  # noqa: E402
-from megatron_logra.projection import generate_projection, projection_key  # noqa: E402
-from megatron_logra.sketch_buffer import FlatSketchBuffer, SketchSlot  # noqa: E402
+from megatron_logra.config import load_config
+from megatron_logra.mcore.models.gpt import build_model
+from megatron_logra.mcore.models.targets import find_targets
+from megatron_logra.mcore.tensor_parallel.sketched_linear import LayerSketch
+from megatron_logra.projection import generate_projection, projection_key
+from megatron_logra.sketch_buffer import FlatSketchBuffer, SketchSlot
+from tests.layouts import tp_sp
+from tests.presets import NARROW, tiny_gpt
 
 VOCAB = 100
 SKETCH_RANK = 8
 SEQ, MICRO_BATCH = 16, 2
 
 
-def build_cfg(tp: int, sp: bool, world: int):
+def build_cfg(args, world: int):
     overrides = [
-        "parallel.device=cpu", f"parallel.tp={tp}", f"parallel.sp={str(sp).lower()}",
-        "model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=4",
-        "model.ffn_hidden_size=64", f"model.seq_length={SEQ}", "model.activation=swiglu",
-        "model.add_bias_linear=true", "optimizer.name=logra",
-        f"train.micro_batch_size={MICRO_BATCH}", f"train.global_batch_size={MICRO_BATCH * world // tp}",
+        "parallel.device=cpu", *tp_sp(args.tp, args.sp), *tiny_gpt(**NARROW, seq_length=SEQ),
+        "model.activation=swiglu", "model.add_bias_linear=true", "optimizer.name=logra",
+        f"train.micro_batch_size={MICRO_BATCH}",
+        f"train.global_batch_size={MICRO_BATCH * world // args.tp}",
     ]
     return load_config(None, overrides).resolved(world)
 
@@ -227,26 +221,20 @@ def measure_ddp(cfg, groups):
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--tp", type=int, required=True)
-    parser.add_argument("--sp", action="store_true")
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    world = int(os.environ["WORLD_SIZE"])
-    cfg = build_cfg(args.tp, args.sp, world)
-    groups = init_parallel(cfg)
-    result = {
+def measure(args, cfg, groups):
+    return {
         "layout": {"tp": groups.tp_size, "dp": groups.dp_size, "sp": args.sp,
                    "tokens": SEQ * MICRO_BATCH, "sketch_rank": SKETCH_RANK},
         "sketch": measure_sketch(cfg, groups),
         "saved": measure_saved(cfg, groups),
         "ddp": measure_ddp(cfg, groups),
     }
-    if groups.world_rank == 0:
-        Path(args.out).write_text(json.dumps(result, indent=2))
-    dist.barrier()
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--tp", type=int, required=True)
+    parser.add_argument("--sp", action="store_true")
 
 
 if __name__ == "__main__":
-    main()
+    run_worker({"sketched_layers": Case(build_cfg, measure)}, add_arguments)
