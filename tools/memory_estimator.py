@@ -19,6 +19,16 @@ from pathlib import Path
 from typing import Any
 
 from megatron_logra.memory.estimate import (
+    MemoryBreakdown,
+    MethodSettings,
+    dense_adam_memory,
+    estimate_all,
+    fits,
+    logra_memory,
+    lora_memory,
+    megatron_formula,
+)
+from megatron_logra.memory.shapes import (
     GIB,
     LOGRA_PRECISIONS,
     NON_TARGET_TRAINING,
@@ -26,15 +36,7 @@ from megatron_logra.memory.estimate import (
     PRESETS,
     RECOMPUTE_MODES,
     Layout,
-    MemoryBreakdown,
-    MethodSettings,
     ModelShape,
-    dense_adam_memory,
-    estimate_all,
-    fits,
-    logra_memory,
-    lora_memory,
-    megatron_formula,
     preset,
     shape_from_model_config,
 )

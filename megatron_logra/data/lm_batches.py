@@ -26,7 +26,46 @@ class Microbatch:
     """[micro_batch_size, seq_length] int64."""
 
 
-class LMBatchSchedule:
+class BatchSchedule:
+    """Layout-independent batches: a step's samples and a data-parallel rank's share are
+    :class:`SampleOrder`'s; a subclass says what the token windows and loss masks of given
+    samples are."""
+
+    seq_length: int
+    order: SampleOrder
+
+    def global_batch_indices(self, step: int) -> np.ndarray:
+        return self.order.global_batch_indices(step)
+
+    def windows(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[n, seq_length + 1]`` int64 token windows of samples ``indices`` and their
+        ``[n, seq_length]`` float32 loss masks (label position t predicts token t + 1)."""
+        raise NotImplementedError
+
+    def microbatches(
+        self, step: int, *, dp_rank: int, dp_size: int, micro_batch_size: int,
+        device: torch.device | str = "cpu",
+    ) -> list[Microbatch]:
+        """This data-parallel rank's microbatches of step ``step``, in order."""
+        mine = self.order.rank_indices(step, dp_rank=dp_rank, dp_size=dp_size,
+                                       micro_batch_size=micro_batch_size)
+        positions = torch.arange(self.seq_length, dtype=torch.int64, device=device)
+        out: list[Microbatch] = []
+        for start in range(0, len(mine), micro_batch_size):
+            window, mask = self.windows(mine[start : start + micro_batch_size])
+            window, mask = window.to(device), mask.to(device)
+            out.append(
+                Microbatch(
+                    tokens=window[:, :-1].contiguous(),
+                    labels=window[:, 1:].contiguous(),
+                    loss_mask=mask,
+                    position_ids=positions.expand(window.shape[0], -1).contiguous(),
+                )
+            )
+        return out
+
+
+class LMBatchSchedule(BatchSchedule):
     def __init__(
         self, tokens: np.ndarray, *, seq_length: int, global_batch_size: int, seed: int
     ) -> None:
@@ -41,33 +80,10 @@ class LMBatchSchedule:
             )
         self.order = SampleOrder(self.num_samples, global_batch_size=global_batch_size, seed=seed)
 
-    def global_batch_indices(self, step: int) -> np.ndarray:
-        return self.order.global_batch_indices(step)
-
     def sample(self, index: int) -> np.ndarray:
         start = int(index) * self.seq_length
         return np.asarray(self.tokens[start : start + self.seq_length + 1], dtype=np.int64)
 
-    def microbatches(
-        self, step: int, *, dp_rank: int, dp_size: int, micro_batch_size: int,
-        device: torch.device | str = "cpu",
-    ) -> list[Microbatch]:
-        """This data-parallel rank's microbatches of step ``step``, in order."""
-        mine = self.order.rank_indices(step, dp_rank=dp_rank, dp_size=dp_size,
-                                       micro_batch_size=micro_batch_size)
-        positions = torch.arange(self.seq_length, dtype=torch.int64, device=device)
-        out: list[Microbatch] = []
-        for start in range(0, len(mine), micro_batch_size):
-            windows = np.stack([self.sample(i) for i in mine[start : start + micro_batch_size]])
-            window = torch.from_numpy(windows).to(device)
-            out.append(
-                Microbatch(
-                    tokens=window[:, :-1].contiguous(),
-                    labels=window[:, 1:].contiguous(),
-                    loss_mask=torch.ones(
-                        window.shape[0], self.seq_length, dtype=torch.float32, device=device
-                    ),
-                    position_ids=positions.expand(window.shape[0], -1).contiguous(),
-                )
-            )
-        return out
+    def windows(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        window = torch.from_numpy(np.stack([self.sample(i) for i in indices]))
+        return window, torch.ones(window.shape[0], self.seq_length, dtype=torch.float32)

@@ -17,7 +17,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from megatron_logra.data.lm_batches import Microbatch
+from megatron_logra.data.lm_batches import BatchSchedule
 from megatron_logra.data.sample_order import SampleOrder
 
 
@@ -75,7 +75,7 @@ def supervised_tokens(problem: PromptProblem, tokenizer: TextTokenizer) -> tuple
     return whole + [tokenizer.eos_id], len(prompt_ids)
 
 
-class SupervisedBatchSchedule:
+class SupervisedBatchSchedule(BatchSchedule):
     """Layout-independent supervised batches over a problem list (which problems a step and a
     data-parallel rank use is :class:`SampleOrder`'s, as for LMBatchSchedule)."""
 
@@ -103,30 +103,13 @@ class SupervisedBatchSchedule:
         self.num_samples = len(self.samples)
         self.order = SampleOrder(self.num_samples, global_batch_size=global_batch_size, seed=seed)
 
-    def global_batch_indices(self, step: int) -> np.ndarray:
-        return self.order.global_batch_indices(step)
-
-    def microbatches(
-        self, step: int, *, dp_rank: int, dp_size: int, micro_batch_size: int,
-        device: torch.device | str = "cpu",
-    ) -> list[Microbatch]:
-        mine = self.order.rank_indices(step, dp_rank=dp_rank, dp_size=dp_size,
-                                       micro_batch_size=micro_batch_size)
-        width = self.seq_length + 1
-        out = []
-        for start in range(0, len(mine), micro_batch_size):
-            rows = mine[start : start + micro_batch_size]
-            window = torch.full((len(rows), width), self.pad_id, dtype=torch.int64)
-            mask = torch.zeros(len(rows), self.seq_length, dtype=torch.float32)
-            for row, index in enumerate(rows):
-                ids, prompt_len = self.samples[int(index)]
-                window[row, : len(ids)] = torch.tensor(ids)
-                # Label position t predicts token t+1: answer tokens and EOS are the labels at
-                # positions prompt_len-1 .. len(ids)-2.
-                mask[row, prompt_len - 1 : len(ids) - 1] = 1.0
-            window, mask = window.to(device), mask.to(device)
-            positions = torch.arange(self.seq_length, device=device).expand(len(rows), -1)
-            out.append(Microbatch(tokens=window[:, :-1].contiguous(),
-                                  labels=window[:, 1:].contiguous(), loss_mask=mask,
-                                  position_ids=positions.contiguous()))
-        return out
+    def windows(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        window = torch.full((len(indices), self.seq_length + 1), self.pad_id, dtype=torch.int64)
+        mask = torch.zeros(len(indices), self.seq_length, dtype=torch.float32)
+        for row, index in enumerate(indices):
+            ids, prompt_len = self.samples[int(index)]
+            window[row, : len(ids)] = torch.tensor(ids)
+            # Label position t predicts token t+1: answer tokens and EOS are the labels at
+            # positions prompt_len-1 .. len(ids)-2.
+            mask[row, prompt_len - 1 : len(ids) - 1] = 1.0
+        return window, mask

@@ -15,7 +15,7 @@ import math
 import os
 import resource
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -46,27 +46,25 @@ def current_rss_bytes() -> int:
     return resident_pages * os.sysconf("SC_PAGE_SIZE")
 
 
+# How the console line shows a field (the JSONL record keeps the raw value).
+_FIELD_FORMATS: dict[str, Callable[[Any], str]] = {
+    "loss": lambda value: f"loss {value:.4f}",
+    "grad_norm": lambda value: f"grad_norm {value:.3e}",
+    "lr": lambda value: f"lr {value:.2e}",
+    "tokens_per_s": lambda value: f"tok/s {value:,.0f}",
+    "step_time_s": lambda value: f"{value:.3f} s",
+    "mem_bytes": lambda value: f"mem {value / _MIB:,.0f} MiB",
+    "kl_predicted_scaled": lambda value: f"kl_pred {value:.2e}",
+    "kl_realized": lambda value: f"kl_real {value:.2e}",
+    "alpha": lambda value: f"alpha {value:.3f}",
+}
+
+
 def _format_field(key: str, value: Any) -> str | None:
     if value is None:
         return None
-    if key == "loss":
-        return f"loss {value:.4f}"
-    if key == "grad_norm":
-        return f"grad_norm {value:.3e}"
-    if key == "lr":
-        return f"lr {value:.2e}"
-    if key == "tokens_per_s":
-        return f"tok/s {value:,.0f}"
-    if key == "step_time_s":
-        return f"{value:.3f} s"
-    if key == "mem_bytes":
-        return f"mem {value / _MIB:,.0f} MiB"
-    if key == "kl_predicted_scaled":
-        return f"kl_pred {value:.2e}"
-    if key == "kl_realized":
-        return f"kl_real {value:.2e}"
-    if key == "alpha":
-        return f"alpha {value:.3f}"
+    if key in _FIELD_FORMATS:
+        return _FIELD_FORMATS[key](value)
     if isinstance(value, float):
         return f"{key} {value:.4g}"
     return f"{key} {value}"
