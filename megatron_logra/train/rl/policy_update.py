@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -125,6 +126,14 @@ def update_policy(
     for report in reports:
         local += report["rl"].to(groups.device)
     sums = LossSums.from_tensor(replica_sum(local, groups))
+    # The sums are the same on every rank (summed over the world): all refuse together, after
+    # backward filled the sketches and grads (zeroed by the next step) but before any step.
+    if not (math.isfinite(sums.loss_sum) and math.isfinite(sums.ratio_sum)):
+        raise RuntimeError(
+            f"non-finite policy loss (sum {sums.loss_sum}, ratio sum {sums.ratio_sum} over "
+            f"{sums.tokens:.0f} tokens) at optimizer step {setup.scheduler.num_steps + 1}; the "
+            "optimizer was not stepped: no weight was changed"
+        )
     update = PolicyUpdate(sums=sums, grad_norm=None)
     control = setup.kl_control
     if control is not None:
