@@ -221,6 +221,11 @@ class RLConfig:
     """Responses per prompt (a GRPO group); the training batch is prompts x samples."""
     seed: int = 0
     """Seeds the prompt order and the sampling (counter-based: layout independent)."""
+    updates_per_rollout: int = 1
+    """Optimizer steps on each step's rollout batch (PPO/GRPO epochs), each over the whole
+    batch. Above 1 the GRPO ratio is taken against the trainer's log-probs before the first
+    update, so ``rl.loss.grpo.clip_low`` / ``clip_high`` act from the second update on (with one
+    update the ratio is exactly 1). Needs ``rl.loss.name=grpo``."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     advantages: AdvantagesConfig = field(default_factory=AdvantagesConfig)
@@ -235,6 +240,14 @@ class RLConfig:
         check_positive(f"{path}.prompts_per_step", self.prompts_per_step)
         check_positive(f"{path}.samples_per_prompt", self.samples_per_prompt)
         check_positive(f"{path}.seed", self.seed, allow_zero=True)
+        check_positive(f"{path}.updates_per_rollout", self.updates_per_rollout)
+        if self.updates_per_rollout > 1 and self.loss.name != "grpo":
+            raise ValueError(
+                f"{path}.updates_per_rollout={self.updates_per_rollout} takes several steps on "
+                f"one rollout batch, which needs a ratio to the pre-update policy and its clip; "
+                f"{path}.loss.name={self.loss.name!r} has none (its importance weight is "
+                f"detached): set {path}.loss.name=grpo or {path}.updates_per_rollout=1"
+            )
         validate_subsections(self, path)
         if self.loss.name == "grpo" and self.samples_per_prompt < 2:
             raise ValueError(

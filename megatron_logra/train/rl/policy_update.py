@@ -46,6 +46,8 @@ class LossSums:
     """The same gap over every generated token: a direct check that the sampler and the
     trainer agree on the policy."""
     all_gap_tokens: float
+    clipped_tokens: float
+    """Tokens whose clipped surrogate term was selected (no gradient; GRPO), else 0."""
 
     def to_tensor(self) -> torch.Tensor:
         return torch.tensor([getattr(self, f.name) for f in dataclasses.fields(self)],
@@ -85,6 +87,7 @@ def _forward_step(
         token_loss, ratio_sum = loss(
             logprobs, rollout_logprobs_BL=batch.rollout_logprobs, advantages_B=batch.advantages,
             response_mask_BL=batch.response_mask, reference_logprobs_BL=batch.reference_logprobs,
+            old_logprobs_BL=batch.old_logprobs,
         )
         gap = rollout_mismatch_sums(logprobs.detach(), batch.rollout_logprobs,
                                     batch.response_mask, batch.finished)
@@ -94,6 +97,7 @@ def _forward_step(
             token_loss.loss_sum.detach(), token_loss.num_tokens, ratio_sum,
             gap.gap_sum, torch.as_tensor(gap.num_tokens, dtype=torch.float64),
             every.gap_sum, torch.as_tensor(every.num_tokens, dtype=torch.float64),
+            token_loss.metrics.get("clipped_count", torch.zeros((), dtype=torch.float64)),
         )
         return token_loss.loss_sum, token_loss.num_tokens.to(torch.int), {"rl": report}
 
@@ -111,9 +115,14 @@ def update_policy(
     vocab_size: int,
     temperature: float,
     groups: ParallelGroups,
+    observe_mismatch: bool = True,
 ) -> PolicyUpdate:
     """One policy update on this rank's microbatches (every DP rank passes its own); ``probe``
-    is this rank's part of the KL probe set when the optimizer has a KL step control."""
+    is this rank's part of the KL probe set when the optimizer has a KL step control.
+
+    ``observe_mismatch``: feed this update's rollout/trainer gap to the KL controller (the
+    first update on a rollout batch; after it the gap also holds the policy's own movement).
+    """
     for chunk in setup.model_chunks:
         chunk.zero_grad_buffer()
     setup.optimizer.zero_grad()
@@ -137,7 +146,9 @@ def update_policy(
     update = PolicyUpdate(sums=sums, grad_norm=None)
     control = setup.kl_control
     if control is not None:
-        if update.mismatch is not None:
+        if observe_mismatch:
+            # None (no completed, valid response): the controller keeps its EMA and uses the
+            # unreduced budget, as the paper's does.
             control.observe_mismatch(update.mismatch)
         if probe is None:
             raise RuntimeError("the optimizer has a KL step control: give update_policy a probe")
