@@ -273,9 +273,11 @@ class LoGRAOptimizer(MegatronOptimizer):
                 for slot, view in self.sketches.owned_items()
                 if not bool(torch.isfinite(view).all())
             ]
+            where = (f"on this rank: {bad[:4]}{' ...' if len(bad) > 4 else ''}" if bad
+                     else "on another rank")
             raise RuntimeError(
-                f"non-finite LoGRA sketch at update {self.update_count + 1} (on this rank: "
-                f"{bad[:4]}{' ...' if len(bad) > 4 else ''}); no weight was changed"
+                f"non-finite LoGRA sketch at update {self.update_count + 1} ({where}); no "
+                "weight was changed"
             )
         return False
 
@@ -354,10 +356,10 @@ class LoGRAOptimizer(MegatronOptimizer):
         except Exception:
             self.abandon_update()
             raise
-        if not self._all_ranks_finite(
-            {"direction": local_finite(self.sketches.owned_segments())}
-        ):
-            self._refuse("direction", f"logra.direction={self.direction.name}")
+        direction_finite = local_finite(self.sketches.owned_segments())
+        if not self._all_ranks_finite({"direction": direction_finite}):
+            self._refuse("direction", f"logra.direction={self.direction.name}; this rank's "
+                         f"directions {'are finite' if direction_finite else 'are not'}")
         try:
             kappa = self.mode.proposal_scale(self._weight_sq_norm, self.sketch_sq_norm)
         except Exception:
@@ -365,8 +367,8 @@ class LoGRAOptimizer(MegatronOptimizer):
             raise
         if kappa is not None:
             if not self._all_ranks_finite({"ratio": local_finite(scalars=[kappa])}):
-                self._refuse("update-ratio factor",
-                             f"kappa={kappa}, logra.update_ratio={self.mode.update_ratio}")
+                self._refuse("update-ratio factor", f"on this rank kappa={kappa}, "
+                             f"update_ratio={self.mode.update_ratio}")
             for segment in self.sketches.owned_segments():
                 segment.mul_(kappa)
 
@@ -460,8 +462,8 @@ class LoGRAOptimizer(MegatronOptimizer):
         if not agreed["alpha"]:
             self._refuse("step scale", f"alpha={scale} on this rank; it must be finite and >= 0")
         if not agreed["factor"]:
-            self._refuse("update factor U", f"alpha={scale}, lr={self._step_size()[0]}: the "
-                         "scaled direction overflows")
+            self._refuse("update factor U", f"alpha={scale}, lr={self._step_size()[0]}; this "
+                         f"rank's factors {'are finite' if flags['factor'] else 'are not'}")
         self._checked = (scale, factors)
 
     @torch.no_grad()
