@@ -4,7 +4,8 @@
   ratio left ``[1 - clip_low, 1 + clip_high]`` in the favoured direction get no gradient and are
   counted; without them (one update per batch) the ratio is exactly 1 and nothing is clipped;
 * ``rl.updates_per_rollout`` is refused where it cannot act (the paper loss has no ratio to the
-  pre-update policy) and for counts below 1, naming the field;
+  pre-update policy; supervised commands) and for counts below 1, naming the field; the LR
+  schedule is as long as the run's optimizer steps;
 * a batch without a completed, valid response leaves the mismatch EMA alone and the controller
   uses the unreduced budget (b_eff = b), as the paper's does; the next measured gap restores
   the subtraction.
@@ -73,8 +74,18 @@ def test_updates_per_rollout_is_refused_with_the_paper_loss_and_below_one():
         load_config(None, ["rl.updates_per_rollout=0", "rl.loss.name=grpo",
                            "rl.samples_per_prompt=2"], command="rl").validate()
     cfg = load_config(None, ["rl.updates_per_rollout=3", "rl.loss.name=grpo",
-                             "rl.samples_per_prompt=2"], command="rl")
+                             "rl.samples_per_prompt=2", "train.steps=10"], command="rl")
     assert cfg.rl.updates_per_rollout == 3
+    # The LR schedule runs over every optimizer step, not over the rollout steps.
+    assert cfg.resolved(1, "rl").optimizer_steps == 30
+
+
+def test_updates_per_rollout_is_refused_outside_rl_naming_it():
+    cfg = load_config(None, ["rl.updates_per_rollout=2", "rl.loss.name=grpo",
+                             "rl.samples_per_prompt=2"])
+    with pytest.raises(ValueError, match=r"rl\.updates_per_rollout=2 is for rl"):
+        cfg.resolved(1, "train")
+    assert load_config(None, []).resolved(1, "train").optimizer_steps == cfg.train.steps
 
 
 def test_a_batch_without_completed_responses_keeps_the_ema_and_uses_the_unreduced_budget():
