@@ -23,6 +23,9 @@ RL_LOSSES: tuple[str, ...] = ("paper", "grpo")
 REWARDS: tuple[str, ...] = ("exact_match", "math_verify")
 """Rewards (megatron_logra.rl.rewards maps each name to its class)."""
 FAILURE_POLICIES: tuple[str, ...] = ("zero_reward", "raise")
+# Which held-out problems rl evaluates: the test split runs report, or the validation split
+# settings are chosen on (megatron_logra.data.dataset_dir.EVAL_SPLIT_FILES maps them to files).
+EVAL_SPLITS: tuple[str, ...] = ("test", "validation")
 # fork is left out: the trainer process holds threads and process-group sockets that a forked
 # child would inherit in an undefined state.
 START_METHODS: tuple[str, ...] = ("spawn", "forkserver")
@@ -202,8 +205,12 @@ class EvalConfig:
     """Samples per held-out prompt: pass@1 averages them, pass@k uses all k of them."""
     temperature: float = 1.0
     top_p: float = 1.0
+    split: str = "test"
+    """``test`` (eval.jsonl: what a run reports as held-out) or ``validation`` (valid.jsonl:
+    for choosing settings without looking at the test problems)."""
 
     def validate(self, path: str = "rl.eval") -> None:
+        check_choice(f"{path}.split", self.split, EVAL_SPLITS)
         check_positive(f"{path}.interval", self.interval, allow_zero=True)
         check_positive(f"{path}.prompts", self.prompts)
         check_positive(f"{path}.samples", self.samples)

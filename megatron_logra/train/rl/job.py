@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from megatron_logra.config import Config
+from megatron_logra.data.dataset_dir import EVAL_SPLIT_FILES
 from megatron_logra.data.prompt_data import load_problems
 from megatron_logra.data.run_tokenizer import embedding_rows, load_run_tokenizer
 from megatron_logra.mcore import (
@@ -66,7 +67,14 @@ class RLJob:
         tokenizer = load_run_tokenizer(cfg)
         self.vocab_size = tokenizer.vocab_size
         self.encoder = PromptEncoder(tokenizer)
-        self.eval_problems = load_problems(Path(cfg.data.dir) / "eval.jsonl")[: r.eval.prompts]
+        eval_file = Path(cfg.data.dir) / EVAL_SPLIT_FILES[r.eval.split]
+        if not eval_file.is_file() and r.eval.split == "validation":
+            raise ValueError(
+                f"rl.eval.split=validation reads {eval_file}, which does not exist; write the "
+                "dataset with a validation split (tools/make_synthetic_data.py --num-valid N) or "
+                "set rl.eval.split=test"
+            )
+        self.eval_problems = load_problems(eval_file)[: r.eval.prompts]
         self.schedule = PromptSchedule(load_problems(Path(cfg.data.dir) / "train.jsonl"),
                                        prompts_per_step=r.prompts_per_step,
                                        samples_per_prompt=r.samples_per_prompt, seed=r.seed)
