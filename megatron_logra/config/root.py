@@ -147,7 +147,7 @@ class Config:
         return dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=dp))
 
     def _derive_for_supervised(self) -> Config:
-        if "rl.updates_per_rollout" in self.provided:
+        if self.rl.updates_per_rollout != 1:
             raise ValueError(
                 f"rl.updates_per_rollout={self.rl.updates_per_rollout} is for rl (several "
                 "optimizer steps on one batch of rollouts); a supervised step takes one: drop it"
@@ -198,7 +198,7 @@ class Config:
     @property
     def optimizer_steps(self) -> int:
         """Optimizer steps in the whole run (the LR schedule's length): ``train.steps`` times
-        ``rl.updates_per_rollout`` (1 outside rl, where an explicit value is refused)."""
+        ``rl.updates_per_rollout`` (1 outside rl, where another value is refused)."""
         return self.train.steps * self.rl.updates_per_rollout
 
     @property

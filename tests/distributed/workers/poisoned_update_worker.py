@@ -47,7 +47,7 @@ def rl_cfg(args, world: int):
         "logra.kl_control.probe_responses=2", f"data.dir={args.data}",
         f"run.dir={args.out / 'rl'}",
     ]
-    return load_config(RL_CONFIG, overrides, command="rl").resolved(world)
+    return load_config(RL_CONFIG, overrides, command="rl").resolved(world, "rl")
 
 
 def lm_cfg(args, world: int, mode: str):

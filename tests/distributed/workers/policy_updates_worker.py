@@ -32,7 +32,8 @@ def overrides(args, world: int, updates: int) -> list[str]:
 
 
 def cfg_for(args, world: int, updates: int = 1):
-    return load_config(RL_CONFIG, overrides(args, world, updates), command="rl").resolved(world)
+    cfg = load_config(RL_CONFIG, overrides(args, world, updates), command="rl")
+    return cfg.resolved(world, "rl")
 
 
 def measure(args, cfg, groups):
