@@ -175,20 +175,30 @@ class KLDecision:
 class KLController:
     """The controller's state across updates: the mismatch EMA and the last update count seen.
 
-    Per update: :meth:`observe_mismatch` (when the step has completed responses to measure),
-    then :meth:`decide` with the predicted KL and the optimizer's count of completed updates.
+    Per update: :meth:`observe_mismatch` (the step's measured gap, or None when it has no
+    completed, valid response to measure), then :meth:`decide` with the predicted KL and the optimizer's count of completed updates.
     """
 
     def __init__(self, settings: KLControlSettings) -> None:
         self.settings = settings
         self.mismatch = 0.0
         self.updates_seen = 0
+        # Whether the latest observation measured a gap: a batch without completed, valid
+        # responses measures none, and the paper's controller then uses the unreduced budget
+        # (b_eff = b) while its EMA stays as it was.
+        self.mismatch_measured = True
 
-    def observe_mismatch(self, observed_gap: float) -> float:
-        """Fold one measured gap ``mean(log pi_rollout - log pi_trainer)`` into the EMA."""
+    def observe_mismatch(self, observed_gap: float | None) -> float:
+        """Fold one measured gap ``mean(log pi_rollout - log pi_trainer)`` into the EMA; None
+        (nothing to measure this batch) leaves the EMA alone and makes :meth:`decide` use the
+        unreduced budget until the next measured gap."""
+        if observed_gap is None:
+            self.mismatch_measured = False
+            return self.mismatch
         self.mismatch = updated_mismatch(
             self.mismatch, observed_gap, self.settings.mismatch_ema_weight
         )
+        self.mismatch_measured = True
         return self.mismatch
 
     def decide(self, predicted_kl: float, *, completed_updates: int) -> KLDecision:
@@ -200,7 +210,8 @@ class KLController:
                 "optimizer's"
             )
         budget = scheduled_budget(self.settings, completed_updates)
-        budget_eff = effective_budget(self.settings, budget, self.mismatch)
+        budget_eff = (effective_budget(self.settings, budget, self.mismatch)
+                      if self.mismatch_measured else budget)
         alpha = step_scale(predicted_kl, budget_eff, self.settings.alpha_max)
         self.updates_seen = completed_updates
         return KLDecision(

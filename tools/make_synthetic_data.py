@@ -22,6 +22,8 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="dataset directory to create or replace")
     parser.add_argument("--num-train", type=int, default=defaults.num_train)
     parser.add_argument("--num-eval", type=int, default=defaults.num_eval)
+    parser.add_argument("--num-valid", type=int, default=defaults.num_valid,
+                        help="validation problems for choosing settings (valid.jsonl)")
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--vocab-size", type=int, default=defaults.vocab_size)
     parser.add_argument("--min-digits", type=int, default=defaults.min_digits)
@@ -32,7 +34,8 @@ def main() -> None:
                         help="write operands with exactly --max-digits digits (leading zeros)")
     args = parser.parse_args()
     spec = SyntheticDataSpec(
-        num_train=args.num_train, num_eval=args.num_eval, seed=args.seed,
+        num_train=args.num_train, num_eval=args.num_eval, num_valid=args.num_valid,
+        seed=args.seed,
         vocab_size=args.vocab_size, min_digits=args.min_digits, max_digits=args.max_digits,
         operations=tuple(op.strip() for op in args.operations.split(",") if op.strip()),
         zero_pad=args.zero_pad,

@@ -41,6 +41,7 @@ from megatron_logra.config.optim import (
     OptimizerConfig,
 )
 from megatron_logra.config.rl import (
+    EVAL_SPLITS,
     FAILURE_POLICIES,
     REWARDS,
     RL_LOSSES,
@@ -69,7 +70,7 @@ __all__ = [
     "ACTIVATIONS", "COMMANDS", "COMMAND_DEFAULTS", "DATA_FORMATS", "DEVICES", "DIRECTIONS",
     "DISTRIBUTIONS", "FAILURE_POLICIES", "LOGRA_MODES", "LR_DECAY_STYLES", "MASTER_WEIGHTS",
     "NATIVE_OPTIMIZERS", "NORMALIZATIONS", "OPTIMIZERS", "PARAMS_DTYPES", "POSITION_EMBEDDINGS",
-    "REWARDS", "RL_LOSSES", "START_METHODS", "TARGET_NAMES", "UPDATE_FACTOR_DTYPES",
+    "EVAL_SPLITS", "REWARDS", "RL_LOSSES", "START_METHODS", "TARGET_NAMES", "UPDATE_FACTOR_DTYPES",
     "AdvantagesConfig", "CheckpointConfig", "Config", "DataConfig", "EvalConfig",
     "GrpoLossConfig", "KLControlConfig", "LoGRAConfig", "LoRAConfig", "LossConfig",
     "MathVerifyConfig", "ModelConfig", "OptimizerConfig", "PaperAdvantageConfig",

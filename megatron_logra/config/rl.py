@@ -23,6 +23,9 @@ RL_LOSSES: tuple[str, ...] = ("paper", "grpo")
 REWARDS: tuple[str, ...] = ("exact_match", "math_verify")
 """Rewards (megatron_logra.rl.rewards maps each name to its class)."""
 FAILURE_POLICIES: tuple[str, ...] = ("zero_reward", "raise")
+# Which held-out problems rl evaluates: the test split runs report, or the validation split
+# settings are chosen on (megatron_logra.data.dataset_dir.EVAL_SPLIT_FILES maps them to files).
+EVAL_SPLITS: tuple[str, ...] = ("test", "validation")
 # fork is left out: the trainer process holds threads and process-group sockets that a forked
 # child would inherit in an undefined state.
 START_METHODS: tuple[str, ...] = ("spawn", "forkserver")
@@ -202,8 +205,12 @@ class EvalConfig:
     """Samples per held-out prompt: pass@1 averages them, pass@k uses all k of them."""
     temperature: float = 1.0
     top_p: float = 1.0
+    split: str = "test"
+    """``test`` (eval.jsonl: what a run reports as held-out) or ``validation`` (valid.jsonl:
+    for choosing settings without looking at the test problems)."""
 
     def validate(self, path: str = "rl.eval") -> None:
+        check_choice(f"{path}.split", self.split, EVAL_SPLITS)
         check_positive(f"{path}.interval", self.interval, allow_zero=True)
         check_positive(f"{path}.prompts", self.prompts)
         check_positive(f"{path}.samples", self.samples)
@@ -221,6 +228,11 @@ class RLConfig:
     """Responses per prompt (a GRPO group); the training batch is prompts x samples."""
     seed: int = 0
     """Seeds the prompt order and the sampling (counter-based: layout independent)."""
+    updates_per_rollout: int = 1
+    """Optimizer steps on each step's rollout batch (PPO/GRPO epochs), each over the whole
+    batch. Above 1 the GRPO ratio is taken against the trainer's log-probs before the first
+    update, so ``rl.loss.grpo.clip_low`` / ``clip_high`` act from the second update on (with one
+    update the ratio is exactly 1). Needs ``rl.loss.name=grpo``."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     advantages: AdvantagesConfig = field(default_factory=AdvantagesConfig)
@@ -235,6 +247,14 @@ class RLConfig:
         check_positive(f"{path}.prompts_per_step", self.prompts_per_step)
         check_positive(f"{path}.samples_per_prompt", self.samples_per_prompt)
         check_positive(f"{path}.seed", self.seed, allow_zero=True)
+        check_positive(f"{path}.updates_per_rollout", self.updates_per_rollout)
+        if self.updates_per_rollout > 1 and self.loss.name != "grpo":
+            raise ValueError(
+                f"{path}.updates_per_rollout={self.updates_per_rollout} takes several steps on "
+                f"one rollout batch, which needs a ratio to the pre-update policy and its clip; "
+                f"{path}.loss.name={self.loss.name!r} has none (its importance weight is "
+                f"detached): set {path}.loss.name=grpo or {path}.updates_per_rollout=1"
+            )
         validate_subsections(self, path)
         if self.loss.name == "grpo" and self.samples_per_prompt < 2:
             raise ValueError(

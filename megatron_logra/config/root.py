@@ -147,6 +147,11 @@ class Config:
         return dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=dp))
 
     def _derive_for_supervised(self) -> Config:
+        if self.rl.updates_per_rollout != 1:
+            raise ValueError(
+                f"rl.updates_per_rollout={self.rl.updates_per_rollout} is for rl (several "
+                "optimizer steps on one batch of rollouts); a supervised step takes one: drop it"
+            )
         kl = self.logra.kl_control
         if kl.temperature is not None:
             return self
@@ -189,6 +194,12 @@ class Config:
 
     def _with_kl(self, kl: Any) -> Config:
         return dataclasses.replace(self, logra=dataclasses.replace(self.logra, kl_control=kl))
+
+    @property
+    def optimizer_steps(self) -> int:
+        """Optimizer steps in the whole run (the LR schedule's length): ``train.steps`` times
+        ``rl.updates_per_rollout`` (1 outside rl, where another value is refused)."""
+        return self.train.steps * self.rl.updates_per_rollout
 
     @property
     def num_microbatches(self) -> int:

@@ -2,7 +2,9 @@
 
     <dir>/corpus.txt       one training problem per line (prompt, space, answer)
     <dir>/train.jsonl      {"prompt": ..., "answer": ...} per line
-    <dir>/eval.jsonl       held-out problems, disjoint from train
+    <dir>/eval.jsonl       held-out test problems, disjoint from train (what runs report)
+    <dir>/valid.jsonl      validation problems for choosing settings, disjoint from both
+                           (only with ``num_valid > 0``)
     <dir>/tokenizer.model  SentencePiece model trained on corpus.txt
     <dir>/tokens.npy       corpus.txt tokenized, one EOS after each line (int32)
     <dir>/meta.json        the arguments that produced it
@@ -21,10 +23,18 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_logra.data.synthetic import OPERATIONS, check_operations, generate_problems
+from megatron_logra.data.synthetic import (
+    OPERATIONS,
+    canonical_problems,
+    check_operations,
+    generate_problems,
+)
 from megatron_logra.data.tokenizer import SentencePieceTokenizer, train_sentencepiece
 
 TOKENIZER_FILE = "tokenizer.model"
+# The held-out problems by rl.eval.split: the test split runs report, the validation split
+# settings are chosen on.
+EVAL_SPLIT_FILES = {"test": "eval.jsonl", "validation": "valid.jsonl"}
 TOKENS_FILE = "tokens.npy"
 META_FILE = "meta.json"
 
@@ -40,6 +50,8 @@ class SyntheticDataSpec:
     operations: tuple[str, ...] = OPERATIONS
     zero_pad: bool = False
     """Operands written with exactly max_digits digits (leading zeros)."""
+    num_valid: int = 0
+    """Validation problems (valid.jsonl); 0 writes none. Train and eval do not depend on it."""
 
     def problem_options(self) -> dict:
         """The generate_problems keyword arguments this spec fixes (besides count and split)."""
@@ -57,7 +69,13 @@ def write_synthetic_dataset(out_dir: str | Path, spec: SyntheticDataSpec) -> Pat
         held_out = generate_problems(spec.num_eval, split="eval", **spec.problem_options())
         lines = [problem.as_text() for problem in train]
         (staging / "corpus.txt").write_text("\n".join(lines) + "\n")
-        for name, problems in (("train.jsonl", train), ("eval.jsonl", held_out)):
+        splits = [("train.jsonl", train), ("eval.jsonl", held_out)]
+        if spec.num_valid:
+            test_keys = canonical_problems(spec.num_eval, split="eval", **spec.problem_options())
+            splits.append(("valid.jsonl", generate_problems(
+                spec.num_valid, split="validation", exclude=test_keys, **spec.problem_options()
+            )))
+        for name, problems in splits:
             with open(staging / name, "w") as handle:
                 for problem in problems:
                     handle.write(json.dumps({"prompt": problem.prompt, "answer": problem.answer}))

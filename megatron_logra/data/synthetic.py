@@ -4,7 +4,9 @@ Problems look like ``What is 347 plus 128?`` with the answer ``475``. They serve
 a language-modelling corpus (prompt and answer on one line), a supervised warm-start set, and RL
 prompts whose answers are checked by exact match. Train and held-out eval problems are disjoint
 by construction: a problem belongs to the eval split iff a hash of its canonical form (operands
-and operation) says so, whatever seed, count, digit range or formatting generated it.
+and operation) says so, whatever seed, count, digit range or formatting generated it. A
+validation split (for choosing settings) is drawn from the same held-out side with its own
+random stream, leaving out the eval split's problems.
 
 The family is tuned by a few knobs: which operations appear, how many digits each operand has
 (the digit count is drawn first, uniformly in ``min_digits..max_digits``, then the value), and
@@ -60,27 +62,51 @@ def check_operations(operations: tuple[str, ...] | list[str]) -> tuple[str, ...]
     return ops
 
 
+SPLITS: tuple[str, ...] = ("train", "eval", "validation")
+
+
 def generate_problems(
     count: int, *, seed: int, split: str, max_digits: int = 3, min_digits: int = 1,
     operations: tuple[str, ...] = OPERATIONS, zero_pad: bool = False,
+    exclude: frozenset[tuple[int, str, int]] = frozenset(),
 ) -> list[Problem]:
     """``count`` problems of one split, the same list for the same arguments on any machine.
 
     Operands have ``min_digits``..``max_digits`` digits; subtraction never goes negative; each
     problem's operation is drawn uniformly from ``operations``. With ``zero_pad`` the operands
-    are written with exactly ``max_digits`` digits.
+    are written with exactly ``max_digits`` digits. ``validation`` problems come from the held-out
+    side of the hash partition (never a training problem) with their own random stream; pass
+    the eval split's canonical problems as ``exclude`` (:func:`canonical_problems`) to keep the
+    two disjoint.
     """
-    if split not in ("train", "eval"):
-        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    return [problem for _, problem in _generate(
+        count, seed=seed, split=split, max_digits=max_digits, min_digits=min_digits,
+        operations=operations, zero_pad=zero_pad, exclude=exclude,
+    )]
+
+
+def canonical_problems(count: int, *, seed: int, split: str, **options) -> frozenset:
+    """The ``(a, op, b)`` of :func:`generate_problems` with the same arguments."""
+    return frozenset(key for key, _ in _generate(count, seed=seed, split=split, **options))
+
+
+def _generate(
+    count: int, *, seed: int, split: str, max_digits: int = 3, min_digits: int = 1,
+    operations: tuple[str, ...] = OPERATIONS, zero_pad: bool = False,
+    exclude: frozenset[tuple[int, str, int]] = frozenset(),
+) -> list[tuple[tuple[int, str, int], Problem]]:
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {list(SPLITS)}, got {split!r}")
     if not 1 <= min_digits <= max_digits <= MAX_DIGITS:
         raise ValueError(
             f"need 1 <= min_digits <= max_digits <= {MAX_DIGITS}, got {min_digits}, {max_digits}"
         )
     ops = check_operations(operations)
+    # The random stream of train and eval is unchanged by the validation split's existence.
     rng = random.Random(f"megatron_logra.synthetic|{seed}|{split}")
-    want_eval = split == "eval"
+    want_eval = split != "train"
     width = max_digits if zero_pad else 0
-    problems: list[Problem] = []
+    problems: list[tuple[tuple[int, str, int], Problem]] = []
     while len(problems) < count:
         digits_a = rng.randint(min_digits, max_digits)
         digits_b = rng.randint(min_digits, max_digits)
@@ -92,6 +118,8 @@ def generate_problems(
         if _is_eval(a, op, b) != want_eval:
             continue
         template = rng.choice(TEMPLATES)
+        if (a, op, b) in exclude:
+            continue
         prompt = template.format(a=f"{a:0{width}d}", op=op, b=f"{b:0{width}d}")
-        problems.append(Problem(prompt, str(_solve(a, op, b))))
+        problems.append(((a, op, b), Problem(prompt, str(_solve(a, op, b)))))
     return problems

@@ -26,6 +26,7 @@ from megatron_logra.mcore.checkpointing.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
     load_model_weights,
+    remove_stale_staging,
     save_checkpoint,
     save_model_checkpoint,
 )
@@ -47,7 +48,8 @@ __all__ = [
     "KLStepControl", "MegatronSampler", "ParallelGroups", "ProbeBatch", "StepResult",
     "TrainingSetup", "build_model_chunks", "compute_token_logprobs", "destroy_parallel",
     "forward_backward", "gather_full_weights", "gather_state_bytes", "init_parallel",
-    "latest_checkpoint", "load_checkpoint", "load_model_weights", "save_checkpoint",
+    "latest_checkpoint", "load_checkpoint", "load_model_weights", "remove_stale_staging",
+    "save_checkpoint",
     "save_model_checkpoint", "save_tensors_atomically", "setup_training",
     "token_logprobs_from_logits", "train_step", "write_state_bytes",
 ]

@@ -31,13 +31,21 @@ from megatron_logra.rl.losses import TokenLoss, grpo_policy_loss, paper_policy_l
 class PolicyLoss(Protocol):
     ratio_metric: str
     """The record field of the token-mean ratio the loss reports."""
+    clips: bool
+    """Whether the loss clips its ratio (reports ``clipped_count``; the step logs
+    ``clip_fraction``)."""
 
     def __call__(
         self, logprobs_BL: torch.Tensor, *, rollout_logprobs_BL: torch.Tensor,
         advantages_B: torch.Tensor, response_mask_BL: torch.Tensor,
         reference_logprobs_BL: torch.Tensor | None,
+        old_logprobs_BL: torch.Tensor | None = None,
     ) -> tuple[TokenLoss, torch.Tensor]:
-        """The microbatch's loss and the sum of its ratio over valid tokens."""
+        """The microbatch's loss and the sum of its ratio over valid tokens.
+
+        ``old_logprobs_BL``: the trainer's log-probs before the first update on this rollout
+        batch (``rl.updates_per_rollout`` > 1); None: the current ones (one update per batch).
+        """
         ...
 
 
@@ -60,20 +68,22 @@ class _TokenPolicyLoss:
 
     ratio_metric: str
     ratio_sum_key: str
+    clips: bool
 
     def __call__(
         self, logprobs_BL: torch.Tensor, *, rollout_logprobs_BL: torch.Tensor,
         advantages_B: torch.Tensor, response_mask_BL: torch.Tensor,
         reference_logprobs_BL: torch.Tensor | None,
+        old_logprobs_BL: torch.Tensor | None = None,
     ) -> tuple[TokenLoss, torch.Tensor]:
         loss = self.loss(logprobs_BL, rollout_logprobs_BL, advantages_B, response_mask_BL,
-                         reference_logprobs_BL)
+                         reference_logprobs_BL, old_logprobs_BL)
         return loss, loss.metrics[self.ratio_sum_key]
 
     def loss(
         self, logprobs_BL: torch.Tensor, rollout_logprobs_BL: torch.Tensor,
         advantages_B: torch.Tensor, response_mask_BL: torch.Tensor,
-        reference_logprobs_BL: torch.Tensor | None,
+        reference_logprobs_BL: torch.Tensor | None, old_logprobs_BL: torch.Tensor | None,
     ) -> TokenLoss:
         raise NotImplementedError
 
@@ -81,29 +91,33 @@ class _TokenPolicyLoss:
 class PaperPolicyLoss(_TokenPolicyLoss):
     ratio_metric = "importance_weight_mean"
     ratio_sum_key = "importance_weight_sum"
+    clips = False
 
     def __init__(self, config: PaperLossConfig) -> None:
         self.config = config
 
     def loss(self, logprobs_BL, rollout_logprobs_BL, advantages_B, response_mask_BL,
-             reference_logprobs_BL) -> TokenLoss:
+             reference_logprobs_BL, old_logprobs_BL) -> TokenLoss:
         del reference_logprobs_BL
         return paper_policy_loss(logprobs_BL, rollout_logprobs_BL, advantages_B,
-                                 response_mask_BL, config=self.config)
+                                 response_mask_BL, config=self.config,
+                                 old_logprobs_BL=old_logprobs_BL)
 
 
 class GrpoPolicyLoss(_TokenPolicyLoss):
     ratio_metric = "ratio_mean"
     ratio_sum_key = "ratio_sum"
+    clips = True
 
     def __init__(self, config: GrpoLossConfig) -> None:
         self.config = config
 
     def loss(self, logprobs_BL, rollout_logprobs_BL, advantages_B, response_mask_BL,
-             reference_logprobs_BL) -> TokenLoss:
+             reference_logprobs_BL, old_logprobs_BL) -> TokenLoss:
         del rollout_logprobs_BL
-        # One update per rollout batch: the old policy is the current one.
-        return grpo_policy_loss(logprobs_BL, logprobs_BL.detach(), advantages_B,
+        # One update per rollout batch: the old policy is the current one (ratio exactly 1).
+        old_BL = logprobs_BL.detach() if old_logprobs_BL is None else old_logprobs_BL
+        return grpo_policy_loss(logprobs_BL, old_BL, advantages_B,
                                 response_mask_BL, config=self.config,
                                 reference_logprobs_BL=reference_logprobs_BL)
 

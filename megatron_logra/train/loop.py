@@ -35,6 +35,7 @@ from megatron_logra.mcore import (
     init_parallel,
     latest_checkpoint,
     load_checkpoint,
+    remove_stale_staging,
     save_checkpoint,
     save_model_checkpoint,
     save_tensors_atomically,
@@ -120,6 +121,10 @@ def _resume(cfg: Config, job: Job, groups: ParallelGroups) -> int:
 def _run(cfg: Config, groups: ParallelGroups, job: Job) -> dict[str, Any]:
     is_rank0 = groups.world_rank == 0
     run_dir = Path(cfg.run.dir)
+    # Before anything is saved: a killed save of an earlier run may have left staging
+    # directories (in the checkpoint directory, or the run directory's model save).
+    for directory in sorted({cfg.checkpoint.dir, cfg.run.dir} - {None, ""}):
+        remove_stale_staging(directory, groups)
     start_step = _resume(cfg, job, groups)
     if is_rank0:
         prepare_run_dir(cfg, start_step)

@@ -149,6 +149,8 @@ def test_a_save_killed_half_way_leaves_the_previous_checkpoint_loadable(runs):
     # Resuming picks step 2 and reproduces the uninterrupted run.
     runs.launch(1, ["checkpoint.resume=true"], run_dir, ckpt)
     assert _losses(run_dir) == _losses(_reference_tp1(runs))
+    # The resumed run removed the dead save's staging directory at start-up.
+    assert not staged[0].exists()
 
 
 def _run_in_own_session(command: list[str], env: dict[str, str], log: Path) -> int:

@@ -16,11 +16,16 @@ hashed (the work spread over the ranks), rank 0 writes ``manifest.json`` into th
 directory and only then renames it to ``iter_NNNNNNN``. A directory without a manifest is not a
 checkpoint. On load every file is checked against the manifest (size and SHA-256) before any
 tensor is read, and a mismatch names the file.
+
+Durability (a node crash, not only a killed process): the hashing pass fsyncs every file it
+reads, rank 0 fsyncs the staging directories, the manifest is written with fsync, and the
+checkpoint directory is fsynced after each rename (and after ``latest_checkpointed_iteration``).
+Each save and each verified load logs what hashing cost (files, bytes, seconds). Staging
+directories a killed save left behind are removed at start-up (:func:`remove_stale_staging`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -37,7 +42,9 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-from megatron_logra.atomic_write import write_atomically
+from megatron_logra import checkpoint_files
+from megatron_logra.atomic_write import fsync_directory, write_atomically
+from megatron_logra.checkpoint_files import HashCost, fsync_directories, hash_files, staging_name
 from megatron_logra.config import Config
 from megatron_logra.mcore.compat.megatron_fixes import apply_megatron_fixes, untie_adam_steps
 from megatron_logra.mcore.models.sharding import unwrap_model
@@ -47,7 +54,6 @@ from megatron_logra.mcore.training.setup import TrainingSetup
 logger = logging.getLogger(__name__)
 
 PREFIX = "iter_"
-STAGING_PREFIX = ".staging-"
 MANIFEST = "manifest.json"
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 FORMAT_VERSION = 1
@@ -55,7 +61,6 @@ FORMAT_VERSION = 1
 # are written and before the checkpoint is published -- a save killed half-way must never leave
 # a checkpoint that loads as valid.
 KILL_DURING_SAVE_ENV = "MEGATRON_LOGRA_TEST_KILL_DURING_SAVE"
-_HASH_CHUNK = 1 << 22
 
 
 def checkpoint_name(step: int) -> str:
@@ -146,14 +151,6 @@ def _layout(groups: ParallelGroups) -> dict[str, int]:
 # ----------------------------------------------------------------------------- manifest
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(_HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _files(directory: Path) -> list[str]:
     return sorted(
         str(p.relative_to(directory)) for p in directory.rglob("*")
@@ -161,15 +158,31 @@ def _files(directory: Path) -> list[str]:
     )
 
 
-def _hash_shared(directory: Path, names: Sequence[str], groups: ParallelGroups) -> dict[str, str]:
-    """SHA-256 of every file, each rank hashing every world_size-th file, gathered everywhere."""
-    mine = {name: _sha256(directory / name) for name in names[groups.world_rank::groups.world_size]}
-    gathered: list[dict[str, str] | None] = [None] * groups.world_size
-    dist.all_gather_object(gathered, mine)
+def _hash_shared(
+    directory: Path, names: Sequence[str], groups: ParallelGroups, *, purpose: str, sync: bool
+) -> dict[str, str]:
+    """SHA-256 of every file, each rank hashing (and with ``sync`` fsyncing) every
+    world_size-th file, gathered everywhere; rank 0 logs the cost."""
+    mine, cost = hash_files(directory, names[groups.world_rank::groups.world_size], sync=sync)
+    gathered: list[tuple[dict[str, str], HashCost] | None] = [None] * groups.world_size
+    dist.all_gather_object(gathered, (mine, cost))
     hashes: dict[str, str] = {}
     for part in gathered:
-        hashes.update(part or {})
+        hashes.update(part[0] if part else {})
+    if groups.world_rank == 0:
+        total = HashCost.total(part[1] for part in gathered if part)
+        logger.info("checkpoint hashing (%s) of %s: %s over %d ranks", purpose, directory,
+                    total.describe(), groups.world_size)
     return hashes
+
+
+def remove_stale_staging(root: str | Path, groups: ParallelGroups) -> None:
+    """Remove the staging directories a killed save left in ``root`` (rank 0; collective).
+    Only directories named as this module's saves name them; nothing else is touched."""
+    if groups.world_rank == 0:
+        for path in checkpoint_files.remove_stale_staging(Path(root)):
+            logger.warning("removed %s, left by a save that did not finish", path)
+    dist.barrier()
 
 
 def verify_checkpoint(path: Path, groups: ParallelGroups) -> dict[str, Any]:
@@ -194,7 +207,7 @@ def verify_checkpoint(path: Path, groups: ParallelGroups) -> dict[str, Any]:
                 f"checkpoint file {path / name} is corrupt: {size} bytes, manifest says "
                 f"{entry['size']}"
             )
-    hashes = _hash_shared(path, sorted(files), groups)
+    hashes = _hash_shared(path, sorted(files), groups, purpose="load", sync=False)
     corrupt = sorted(name for name, entry in files.items() if hashes[name] != entry["sha256"])
     if corrupt:
         raise ValueError(
@@ -245,9 +258,9 @@ def _save_atomically(
     ``root/name``; collective. A crash at any point leaves no directory named ``name`` that is
     incomplete, and an existing ``root/name`` is retired only once its replacement is whole."""
     final = root / name
-    staging_name = [f"{STAGING_PREFIX}{name}-{uuid.uuid4().hex[:8]}"]
-    dist.broadcast_object_list(staging_name, src=0)
-    staging = root / staging_name[0]
+    token = [uuid.uuid4().hex[:8]]
+    dist.broadcast_object_list(token, src=0)
+    staging = root / staging_name(name, token[0])
     if groups.world_rank == 0:
         staging.mkdir(parents=True, exist_ok=False)
     dist.barrier()
@@ -258,8 +271,10 @@ def _save_atomically(
         logger.error("test hook %s: killing rank 0 mid-save", KILL_DURING_SAVE_ENV)
         os.kill(os.getpid(), signal.SIGKILL)
     names = _files(staging)
-    hashes = _hash_shared(staging, names, groups)
+    # Each file fsynced by the rank that hashes it: its bytes are on disk before the manifest.
+    hashes = _hash_shared(staging, names, groups, purpose="save", sync=True)
     if groups.world_rank == 0:
+        fsync_directories(staging)
         manifest = {
             "format_version": FORMAT_VERSION,
             **header,
@@ -271,12 +286,14 @@ def _save_atomically(
         if final.exists():
             # Re-saving (e.g. a step after a resume): retire the old copy only now that the new
             # one is complete.
-            retired = root / f"{STAGING_PREFIX}retired-{name}-{uuid.uuid4().hex[:8]}"
+            retired = root / staging_name(name, uuid.uuid4().hex[:8], retired=True)
             os.replace(final, retired)
             os.replace(staging, final)
+            fsync_directory(root)
             shutil.rmtree(retired)
         else:
             os.replace(staging, final)
+        fsync_directory(root)
     dist.barrier()
     return final
 

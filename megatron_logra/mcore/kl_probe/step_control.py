@@ -109,7 +109,7 @@ class KLStepControl:
             )
         self.batch = batch
 
-    def observe_mismatch(self, observed_gap: float) -> float:
+    def observe_mismatch(self, observed_gap: float | None) -> float:
         return self.controller.observe_mismatch(observed_gap)
 
     def _holds_logits(self) -> bool:

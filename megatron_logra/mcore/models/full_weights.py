@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_logra.atomic_write import fsync_directory
 from megatron_logra.mcore.models.sharding import gather_full, global_named_parameters, unwrap_model
 from megatron_logra.mcore.process_groups import ParallelGroups
 
@@ -41,8 +42,13 @@ def gather_full_weights(
 
 
 def save_tensors_atomically(tensors: dict[str, torch.Tensor], path: str | Path) -> None:
-    """torch.save to a temporary file, then rename: never a half-written file at ``path``."""
+    """torch.save to a temporary file, fsync, then rename (and fsync the directory): never a
+    half-written file at ``path``, also after a node crash."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    torch.save(tensors, tmp)
+    with open(tmp, "wb") as handle:
+        torch.save(tensors, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
     os.replace(tmp, path)
+    fsync_directory(path.parent)

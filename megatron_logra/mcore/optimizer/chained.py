@@ -11,6 +11,8 @@ step scale were given to the LoGRA optimizer at construction.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.optimizer.optimizer import ChainedOptimizer, MegatronOptimizer
@@ -49,15 +51,23 @@ class LoGRAChainedOptimizer(ChainedOptimizer):
     def step(self) -> tuple[bool, float | None, float | None]:
         """As ``ChainedOptimizer.step``, with the sketches inside the norm and the clip.
 
-        Order: grads ready -> global norm -> clip (when the mode clips; the paper's update is
-        sized by its update ratio instead) -> LoGRA prepares its directions and decides their
+        Order: grads ready (sketch finite) -> global norm (finite) -> clip (when the mode clips;
+        the paper's update is sized by its update ratio instead) -> LoGRA prepares its directions and decides their
         scale (e.g. from the predicted KL, computed at the current weights, so before anything
-        moves) -> the native optimizers step -> the LoGRA update is applied.
+        moves), the directions, ratio factor, alpha and merged factors checked finite on every
+        rank -> the native optimizers step -> the LoGRA update is applied.
         """
         found_inf_flag = self.prepare_grads()
         if found_inf_flag:
             return False, None, None
         grad_norm = self.get_grad_norm()
+        # The global norm covers every native gradient (Megatron's fp32 optimizers check none
+        # for NaN themselves) and every sketch; it is the same number on every rank.
+        if not math.isfinite(grad_norm):
+            raise RuntimeError(
+                f"non-finite gradient norm {grad_norm} at update {self.logra.update_count + 1} "
+                "(a NaN or inf loss, or an overflow in backward); no weight was changed"
+            )
         if self.config.clip_grad > 0.0 and self.logra.mode.clips_gradients:
             for optimizer in self.native_optimizers:
                 if getattr(optimizer, "is_stub_optimizer", False):
@@ -78,8 +88,8 @@ class LoGRAChainedOptimizer(ChainedOptimizer):
             num_zeros_in_grad = sum(
                 opt.count_zeros() for opt in self.native_optimizers
             ) + self.logra.count_zeros()
-        self.logra.prepare_update()
-        scale = self.logra.decide_scale()
+        # Checked on every rank before any optimizer moves a weight.
+        scale = self.logra.prepare_checked_update()
         success = True
         for optimizer in self.native_optimizers:
             success &= optimizer.step_with_ready_grads()

@@ -18,6 +18,12 @@ Step anatomy (driven by Megatron's schedule and the training loop):
 4. ``step``: global norm -> clip -> direction (in place) -> scale (the step scale's, e.g. the
    predicted-KL controller's) -> ``W <- (1 - lr wd) W - lr D A`` -> ``update_count += 1`` ->
    fresh projections.
+
+Nothing non-finite reaches a weight: the sketch (``prepare_grads``), the direction, the paper's
+update-ratio factor, the step scale alpha and every merged factor ``U`` are checked before
+anything is applied, each check agreed on every rank (:mod:`megatron_logra.finite_check`). A
+refused step raises ``RuntimeError`` with the stage named, after restoring the row moments the
+direction rule had already advanced: no weight and no optimizer state was changed.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from torch import distributed as dist
 
 from megatron_logra.config import LoGRAConfig
 from megatron_logra.direction import DirectionContext, DirectionRule, make_direction_rule
+from megatron_logra.finite_check import agreed_flags, local_finite
 from megatron_logra.logra_mode import LoGRAMode
 from megatron_logra.master_weights import RowShardedMaster
 from megatron_logra.mcore.models.targets import SketchTarget
@@ -155,6 +162,8 @@ class LoGRAOptimizer(MegatronOptimizer):
             True: groups.dp if sharded else None,
         }
         self._prepared = False
+        self._state_before: dict[str, torch.Tensor] | None = None
+        self._checked: tuple[float, list[tuple[torch.Tensor, float]]] | None = None
         self.last_update_scale: float | None = None
         for target in self.targets:
             target.module.logra_sketch = LayerSketch(
@@ -258,23 +267,32 @@ class LoGRAOptimizer(MegatronOptimizer):
     @torch.no_grad()
     def prepare_grads(self) -> bool:
         """Refuse a non-finite sketch: it would poison the row moments for every later step."""
-        finite = torch.ones((), dtype=torch.float32, device=self.sketches.data.device)
-        for segment in self.sketches.owned_segments():
-            finite = torch.minimum(finite, torch.isfinite(segment).all().float())
-        # Every rank must take the same decision (sharded ranks see different rows).
-        if dist.get_world_size(self.stats_group) > 1:
-            dist.all_reduce(finite, op=dist.ReduceOp.MIN, group=self.stats_group)
-        if finite.item() < 1.0:
+        if not self._all_ranks_finite({"sketch": local_finite(self.sketches.owned_segments())}):
             bad = [
                 slot.layer_key
                 for slot, view in self.sketches.owned_items()
                 if not bool(torch.isfinite(view).all())
             ]
+            where = (f"on this rank: {bad[:4]}{' ...' if len(bad) > 4 else ''}" if bad
+                     else "on another rank")
             raise RuntimeError(
-                f"non-finite LoGRA sketch at update {self.update_count + 1} (on this rank: "
-                f"{bad[:4]}{' ...' if len(bad) > 4 else ''}); no weight was changed"
+                f"non-finite LoGRA sketch at update {self.update_count + 1} ({where}); no "
+                "weight was changed"
             )
         return False
+
+    def _all_ranks_finite(self, flags: dict[str, bool]) -> bool:
+        """AND of ``flags`` over the model-parallel and data-parallel groups (every rank)."""
+        agreed = agreed_flags(flags, (self.groups.mp, self.groups.dp), self.sketches.data.device)
+        return all(agreed.values())
+
+    def _refuse(self, stage: str, detail: str) -> None:
+        """Undo a prepared update (row moments back to before it) and raise."""
+        self.abandon_update()
+        raise RuntimeError(
+            f"non-finite LoGRA {stage} at update {self.update_count + 1} ({detail}); the "
+            "update was refused on every rank: no weight and no optimizer state was changed"
+        )
 
     def get_main_grads_for_grad_norm(self) -> list[torch.Tensor]:
         raise RuntimeError(
@@ -318,19 +336,50 @@ class LoGRAOptimizer(MegatronOptimizer):
 
         The mode may then scale all directions jointly (paper mode: so that the proposed update
         ``-sum D A`` has norm ``update_ratio * ||W_targets||``). Nothing is applied yet: the
-        step scale, if any, looks at the proposal first (:meth:`decide_scale`).
+        step scale, if any, looks at the proposal first (:meth:`decide_scale`). The directions
+        and the ratio factor are checked for finiteness on every rank; a refusal raises with
+        the row moments restored.
         """
         if self._prepared:
             raise RuntimeError("an update is already prepared; apply it before preparing another")
-        self.direction.apply_(
-            self.sketches,
-            DirectionContext(step=self.update_count + 1, row_groups=self.row_groups),
-        )
-        kappa = self.mode.proposal_scale(self._weight_sq_norm, self.sketch_sq_norm)
+        # The rule advances the row moments in place; keep them (one float per row) so that a
+        # refused update leaves the optimizer as it was.
+        self._state_before = {
+            name: tensor.clone() for name, tensor in self.direction.state_tensors().items()
+        }
+        self._prepared = True
+        try:
+            self.direction.apply_(
+                self.sketches,
+                DirectionContext(step=self.update_count + 1, row_groups=self.row_groups),
+            )
+        except Exception:
+            self.abandon_update()
+            raise
+        direction_finite = local_finite(self.sketches.owned_segments())
+        if not self._all_ranks_finite({"direction": direction_finite}):
+            self._refuse("direction", f"logra.direction={self.direction.name}; this rank's "
+                         f"directions {'are finite' if direction_finite else 'are not'}")
+        try:
+            kappa = self.mode.proposal_scale(self._weight_sq_norm, self.sketch_sq_norm)
+        except Exception:
+            self.abandon_update()
+            raise
         if kappa is not None:
+            if not self._all_ranks_finite({"ratio": local_finite(scalars=[kappa])}):
+                self._refuse("update-ratio factor", f"on this rank kappa={kappa}, "
+                             f"update_ratio={self.mode.update_ratio}")
             for segment in self.sketches.owned_segments():
                 segment.mul_(kappa)
-        self._prepared = True
+
+    def abandon_update(self) -> None:
+        """Drop a prepared update: the row moments return to their values before it."""
+        if self._state_before is not None:
+            for name, tensor in self.direction.state_tensors().items():
+                tensor.copy_(self._state_before[name])
+        self._state_before = None
+        self._checked = None
+        self._prepared = False
 
     @torch.no_grad()
     def _weight_sq_norm(self) -> float:
@@ -377,21 +426,62 @@ class LoGRAOptimizer(MegatronOptimizer):
         return self.step_scale(self.proposal())
 
     @torch.no_grad()
+    def prepare_checked_update(self) -> float:
+        """Prepare the update, decide its scale and check every merged factor; returns the
+        scale. Collective. Nothing is applied: a caller that steps other optimizers does so
+        only after this returned (so a refusal leaves their weights alone too)."""
+        self.prepare_update()
+        try:
+            scale = self.decide_scale()
+        except Exception:
+            self.abandon_update()
+            raise
+        self._check_factors(scale)
+        return scale
+
+    def _merge_factors(self, scale: float) -> list[tuple[torch.Tensor, float]]:
+        lr, _ = self._step_size()
+        return [
+            self.mode.merge_factor(self.sketches.owned_view(target.layer_key), scale, lr)
+            for target in self.targets
+        ]
+
+    @torch.no_grad()
+    def _check_factors(self, scale: float) -> None:
+        """alpha, then every ``U = step_lr * factor`` (what is merged), finite on every rank."""
+        if not self._prepared:
+            raise RuntimeError("prepare_update() first")
+        scale_ok = math.isfinite(scale) and scale >= 0.0
+        factors = self._merge_factors(scale) if scale_ok else []
+        flags = {
+            "alpha": scale_ok,
+            "factor": all(local_finite([factor * step_lr], [step_lr])
+                          for factor, step_lr in factors),
+        }
+        agreed = agreed_flags(flags, (self.groups.mp, self.groups.dp), self.sketches.data.device)
+        if not agreed["alpha"]:
+            self._refuse("step scale", f"alpha={scale} on this rank; it must be finite and >= 0")
+        if not agreed["factor"]:
+            self._refuse("update factor U", f"alpha={scale}, lr={self._step_size()[0]}; this "
+                         f"rank's factors {'are finite' if flags['factor'] else 'are not'}")
+        self._checked = (scale, factors)
+
+    @torch.no_grad()
     def apply_update(self, scale: float = 1.0) -> None:
         """Merge the prepared update times ``scale`` into the weights; refresh projections.
 
         Library: ``W <- (1 - s lr wd) W - s lr D A``. Paper: ``W <- W - round(s D) A`` with the
         factor rounded to ``logra.update_factor_dtype`` (the paper's runs round it to bf16).
+        The factors are checked first (:meth:`prepare_checked_update` did so already when it
+        returned this scale).
         """
         if not self._prepared:
             raise RuntimeError("prepare_update() first")
-        if not math.isfinite(scale) or scale < 0.0:
-            raise RuntimeError(f"refusing to apply an update with scale {scale}")
-        lr, weight_decay = self._step_size()
-        for target in self.targets:
-            direction, step_lr = self.mode.merge_factor(
-                self.sketches.owned_view(target.layer_key), scale, lr
-            )
+        if self._checked is None or self._checked[0] != scale:
+            self._check_factors(scale)
+        _, factors = self._checked
+        _, weight_decay = self._step_size()
+        for target, (direction, step_lr) in zip(self.targets, factors, strict=True):
             projection = self.projection_of(target)
             master = self.masters.get(target.layer_key)
             # (1 - step_lr * wd) with step_lr = scale * lr: the decay is scaled with the step
@@ -406,13 +496,14 @@ class LoGRAOptimizer(MegatronOptimizer):
         self.update_count += 1
         self.last_update_scale = scale
         self._prepared = False
+        self._state_before = None
+        self._checked = None
         if self.logra.refresh:
             self.refresh_projections()
 
     @torch.no_grad()
     def step_with_ready_grads(self) -> bool:
-        self.prepare_update()
-        self.apply_update(self.decide_scale())
+        self.apply_update(self.prepare_checked_update())
         return True
 
     @torch.no_grad()

@@ -164,7 +164,8 @@ def setup_training(
         )
     else:
         config.finalize_model_grads_func = finalize_model_grads
-    steps = cfg.train.steps
+    # In optimizer steps: rl takes rl.updates_per_rollout of them per training step.
+    steps = cfg.optimizer_steps
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0 if o.lr_warmup_steps > 0 else o.lr,

@@ -30,6 +30,9 @@ class RLMicrobatch:
     reference_logprobs: torch.Tensor | None
     advantages: torch.Tensor
     finished: torch.Tensor
+    old_logprobs: torch.Tensor | None = None
+    """The trainer's log-probs before the first update on this batch (rl.updates_per_rollout
+    > 1); None: the ratio is taken against the current log-probs."""
 
 
 def pad_to_length(rollout: RolloutBatch, length: int, pad_id: int) -> PaddedRollout:
@@ -68,6 +71,7 @@ def rl_microbatches(
     *,
     micro_batch_size: int,
     device: torch.device,
+    old_logprobs: torch.Tensor | None = None,
 ) -> list[RLMicrobatch]:
     """This rank's padded responses in microbatches of ``micro_batch_size``."""
     microbatches = []
@@ -81,6 +85,7 @@ def rl_microbatches(
             reference_logprobs=(reference_logprobs[rows].to(device)
                                 if reference_logprobs is not None else None),
             advantages=advantages[rows].to(device), finished=padded.finished[rows].to(device),
+            old_logprobs=old_logprobs[rows].to(device) if old_logprobs is not None else None,
         ))
     return microbatches
 

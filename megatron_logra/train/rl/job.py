@@ -9,7 +9,8 @@
 3. **policy update** (:mod:`.policy_update`): the preset's loss through Megatron's schedule, the
    rollout-vs-trainer gap on completed responses fed to the KL controller's mismatch term, one
    optimizer step (LoGRA predicts the KL of its update on the probe set and scales it), and the
-   realised KL measured after it;
+   realised KL measured after it; ``rl.updates_per_rollout`` such updates on the same batch
+   (the GRPO ratio then against the trainer's log-probs before the first);
 4. **evaluation** (:mod:`.evaluation`): held-out pass@1 / pass@k and greedy accuracy before
    training, every ``rl.eval.interval`` steps and at the end; each evaluation's per-problem
    answers go to ``<run.dir>/eval/step_NNNNNN.jsonl``.
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 
 from megatron_logra.config import Config
+from megatron_logra.data.dataset_dir import EVAL_SPLIT_FILES
 from megatron_logra.data.prompt_data import load_problems
 from megatron_logra.data.run_tokenizer import embedding_rows, load_run_tokenizer
 from megatron_logra.mcore import (
@@ -65,7 +67,14 @@ class RLJob:
         tokenizer = load_run_tokenizer(cfg)
         self.vocab_size = tokenizer.vocab_size
         self.encoder = PromptEncoder(tokenizer)
-        self.eval_problems = load_problems(Path(cfg.data.dir) / "eval.jsonl")[: r.eval.prompts]
+        eval_file = Path(cfg.data.dir) / EVAL_SPLIT_FILES[r.eval.split]
+        if not eval_file.is_file() and r.eval.split == "validation":
+            raise ValueError(
+                f"rl.eval.split=validation reads {eval_file}, which does not exist; write the "
+                "dataset with a validation split (tools/make_synthetic_data.py --num-valid N) or "
+                "set rl.eval.split=test"
+            )
+        self.eval_problems = load_problems(eval_file)[: r.eval.prompts]
         self.schedule = PromptSchedule(load_problems(Path(cfg.data.dir) / "train.jsonl"),
                                        prompts_per_step=r.prompts_per_step,
                                        samples_per_prompt=r.samples_per_prompt, seed=r.seed)
@@ -124,17 +133,34 @@ class RLJob:
                 temperature=padded.logprob_temperature, vocab_size=self.vocab_size,
                 groups=groups, micro_batch_size=cfg.train.micro_batch_size,
             ).cpu()
+        old_logprobs = None
+        if cfg.rl.updates_per_rollout > 1:
+            # The GRPO ratio's "old" policy: the trainer's own log-probs before the first update.
+            old_logprobs = compute_token_logprobs(
+                setup.model_chunks, padded.tokens, padded.labels,
+                temperature=padded.logprob_temperature, vocab_size=self.vocab_size,
+                groups=groups, micro_batch_size=cfg.train.micro_batch_size,
+            ).cpu()
         microbatches = rl_microbatches(padded, scored.advantages, reference_logprobs,
                                        micro_batch_size=cfg.train.micro_batch_size,
-                                       device=groups.device)
+                                       device=groups.device, old_logprobs=old_logprobs)
         probe = (probe_batch(padded, scored.share, cfg.logra.kl_control, groups.device)
                  if setup.kl_control is not None else None)
         step_metrics = setup.step_metrics()
-        update = update_policy(
-            setup, microbatches, self.preset.loss, probe=probe,
-            seq_length=cfg.model.seq_length, micro_batch_size=cfg.train.micro_batch_size,
-            vocab_size=self.vocab_size, temperature=padded.logprob_temperature, groups=groups,
-        )
+        updates = [
+            update_policy(
+                setup, microbatches, self.preset.loss, probe=probe,
+                seq_length=cfg.model.seq_length, micro_batch_size=cfg.train.micro_batch_size,
+                vocab_size=self.vocab_size, temperature=padded.logprob_temperature,
+                groups=groups, observe_mismatch=index == 0,
+            )
+            for index in range(cfg.rl.updates_per_rollout)
+        ]
+        # The rollout/trainer gap is the first update's (before the policy moved); loss, ratio
+        # and grad norm the last update's; the clipped fraction over every update.
+        first, update = updates[0], updates[-1]
+        clipped = sum(u.sums.clipped_tokens for u in updates)
+        clip_tokens = sum(u.sums.tokens for u in updates)
         control = setup.kl_control
         kl_metrics = control.metrics(control.realised()) if control is not None else {}
         if groups.device.type == "cuda":
@@ -151,7 +177,9 @@ class RLJob:
             "grad_norm": update.grad_norm,
             **step_metrics,
             self.preset.loss.ratio_metric: sums.ratio_sum / max(sums.tokens, 1.0),
-            "rollout_trainer_gap": update.mismatch,
+            **({"clip_fraction": clipped / max(clip_tokens, 1.0)}
+               if self.preset.loss.clips else {}),
+            "rollout_trainer_gap": first.mismatch,
             "logprob_gap_all_tokens": sums.all_gap_sum / max(sums.all_gap_tokens, 1.0),
             **kl_metrics,
             "tokens": generated,

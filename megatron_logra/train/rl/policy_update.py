@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +46,8 @@ class LossSums:
     """The same gap over every generated token: a direct check that the sampler and the
     trainer agree on the policy."""
     all_gap_tokens: float
+    clipped_tokens: float
+    """Tokens whose clipped surrogate term was selected (no gradient; GRPO), else 0."""
 
     def to_tensor(self) -> torch.Tensor:
         return torch.tensor([getattr(self, f.name) for f in dataclasses.fields(self)],
@@ -84,6 +87,7 @@ def _forward_step(
         token_loss, ratio_sum = loss(
             logprobs, rollout_logprobs_BL=batch.rollout_logprobs, advantages_B=batch.advantages,
             response_mask_BL=batch.response_mask, reference_logprobs_BL=batch.reference_logprobs,
+            old_logprobs_BL=batch.old_logprobs,
         )
         gap = rollout_mismatch_sums(logprobs.detach(), batch.rollout_logprobs,
                                     batch.response_mask, batch.finished)
@@ -93,6 +97,7 @@ def _forward_step(
             token_loss.loss_sum.detach(), token_loss.num_tokens, ratio_sum,
             gap.gap_sum, torch.as_tensor(gap.num_tokens, dtype=torch.float64),
             every.gap_sum, torch.as_tensor(every.num_tokens, dtype=torch.float64),
+            token_loss.metrics.get("clipped_count", torch.zeros((), dtype=torch.float64)),
         )
         return token_loss.loss_sum, token_loss.num_tokens.to(torch.int), {"rl": report}
 
@@ -110,9 +115,14 @@ def update_policy(
     vocab_size: int,
     temperature: float,
     groups: ParallelGroups,
+    observe_mismatch: bool = True,
 ) -> PolicyUpdate:
     """One policy update on this rank's microbatches (every DP rank passes its own); ``probe``
-    is this rank's part of the KL probe set when the optimizer has a KL step control."""
+    is this rank's part of the KL probe set when the optimizer has a KL step control.
+
+    ``observe_mismatch``: feed this update's rollout/trainer gap to the KL controller (the
+    first update on a rollout batch; after it the gap also holds the policy's own movement).
+    """
     for chunk in setup.model_chunks:
         chunk.zero_grad_buffer()
     setup.optimizer.zero_grad()
@@ -125,10 +135,20 @@ def update_policy(
     for report in reports:
         local += report["rl"].to(groups.device)
     sums = LossSums.from_tensor(replica_sum(local, groups))
+    # The sums are the same on every rank (summed over the world): all refuse together, after
+    # backward filled the sketches and grads (zeroed by the next step) but before any step.
+    if not (math.isfinite(sums.loss_sum) and math.isfinite(sums.ratio_sum)):
+        raise RuntimeError(
+            f"non-finite policy loss (sum {sums.loss_sum}, ratio sum {sums.ratio_sum} over "
+            f"{sums.tokens:.0f} tokens) at optimizer step {setup.scheduler.num_steps + 1}; the "
+            "optimizer was not stepped: no weight was changed"
+        )
     update = PolicyUpdate(sums=sums, grad_norm=None)
     control = setup.kl_control
     if control is not None:
-        if update.mismatch is not None:
+        if observe_mismatch:
+            # None (no completed, valid response): the controller keeps its EMA and uses the
+            # unreduced budget, as the paper's does.
             control.observe_mismatch(update.mismatch)
         if probe is None:
             raise RuntimeError("the optimizer has a KL step control: give update_policy a probe")

@@ -3,6 +3,7 @@ and compute the advantages of the whole global batch (identically on every rank)
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -79,7 +80,19 @@ def collect_rollouts(
     all_correct = gather_dp(list(scored.correct), groups)
     all_rewards = gather_dp(list(scored.rewards), groups)
     all_lengths = gather_dp(rollout.response_lengths.tolist(), groups)
+    bad = [i for i, value in enumerate(all_rewards) if not math.isfinite(value)]
+    if bad:
+        # Every rank holds the gathered rewards, so every rank refuses here, before the loss.
+        raise RuntimeError(
+            f"non-finite reward {all_rewards[bad[0]]} for response {bad[0]} of step {step + 1} "
+            f"({len(bad)} of {len(all_rewards)}; check rl.reward); no weight was changed"
+        )
     values = advantages.compute(rewards=all_rewards, correct=all_correct, lengths=all_lengths)
+    if not bool(torch.isfinite(values).all()):
+        raise RuntimeError(
+            f"non-finite advantage at step {step + 1} (rewards all finite: the estimator's "
+            "state is broken); no weight was changed"
+        )
     return ScoredRollouts(
         share=share, rollout=rollout, rewards=all_rewards, correct=all_correct,
         lengths=all_lengths, advantages=values[share.start : share.stop],
