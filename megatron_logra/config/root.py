@@ -93,8 +93,8 @@ class Config:
         full = m.full_recompute
         if full is not None and full[1] > m.num_layers // stages:
             raise ValueError(
-                f"model.recompute_num_layers={full[1]} exceeds the {m.num_layers // stages} "
-                f"layers of a pipeline stage (model.num_layers={m.num_layers} over "
+                f"model.recompute_num_layers={full[1]} exceeds the {m.num_layers // stages} layer(s) "
+                f"of a pipeline stage (model.num_layers={m.num_layers} over "
                 f"{stages} stages); lower it"
             )
         if p.sp and m.seq_length % p.tp:

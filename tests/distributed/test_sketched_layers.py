@@ -97,3 +97,24 @@ def test_ddp_grad_buffer_excludes_sketched_weights(measured):
     # non-target parameters.
     plain = measured["ddp"]["distopt_False"]
     assert plain["buffer_numel_unpadded"] == plain["trainable_numel"]
+
+
+def test_recomputed_layers_run_forward_twice_per_microbatch(measured):
+    """Guards the next test: recompute really re-runs the modules it covers (2 microbatches)."""
+    recompute = measured["recompute"]
+    assert recompute["none"]["forwards"] == {"linear_qkv": 2, "core_attention": 2}
+    for mode in ("full_uniform", "full_block"):
+        assert recompute[mode]["forwards"] == {"linear_qkv": 4, "core_attention": 4}, mode
+    assert recompute["selective"]["forwards"] == {"linear_qkv": 2, "core_attention": 4}
+
+
+def test_recompute_accumulates_each_sketch_once_per_microbatch_and_changes_nothing(measured):
+    # The recomputed forward repeats the same operations on the same inputs: bit-identical.
+    for mode, result in measured["recompute"].items():
+        if mode == "none":
+            continue
+        assert result["accumulations_per_layer"] == [2], (mode, result)
+        assert result["layers"] == 8, (mode, result)
+        assert result["sketch_max_abs_diff"] == 0.0, (mode, result)
+        assert result["embedding_grad_max_abs_diff"] == 0.0, (mode, result)
+        assert result["loss_abs_diff"] == 0.0, (mode, result)
