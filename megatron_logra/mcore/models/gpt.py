@@ -37,6 +37,7 @@ from megatron_logra.mcore.models.sharding import (
     partition_of,
     shard_from_full,
 )
+from megatron_logra.mcore.models.te_modules import transformer_engine_modules
 from megatron_logra.mcore.process_groups import ParallelGroups
 from megatron_logra.mcore.tensor_parallel.sketched_linear import (
     SketchedColumnParallelLinear,
@@ -115,8 +116,6 @@ def gpt_layer_spec(
     layer.mlp.submodules.linear_fc1 = SketchedColumnParallelLinear
     layer.mlp.submodules.linear_fc2 = SketchedRowParallelLinear
     if m.attention == "te":
-        from megatron_logra.mcore.models.te_modules import transformer_engine_modules
-
         norm, core_attention = transformer_engine_modules()
     else:
         norm = SequenceParallelTorchNorm
