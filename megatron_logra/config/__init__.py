@@ -18,10 +18,13 @@ rules, distributions, rewards, ...) are declared here once; the implementing mod
 from megatron_logra.config.loader import check_key, config_from_dict, load_config, parse_override
 from megatron_logra.config.model import (
     ACTIVATIONS,
+    ATTENTIONS,
     DEVICES,
     NORMALIZATIONS,
     PARAMS_DTYPES,
     POSITION_EMBEDDINGS,
+    RECOMPUTE_METHODS,
+    RECOMPUTES,
     ModelConfig,
     ParallelConfig,
 )
@@ -67,10 +70,12 @@ from megatron_logra.config.run import (
 )
 
 __all__ = [
-    "ACTIVATIONS", "COMMANDS", "COMMAND_DEFAULTS", "DATA_FORMATS", "DEVICES", "DIRECTIONS",
+    "ACTIVATIONS", "ATTENTIONS", "COMMANDS", "COMMAND_DEFAULTS", "DATA_FORMATS", "DEVICES",
+    "DIRECTIONS",
     "DISTRIBUTIONS", "FAILURE_POLICIES", "LOGRA_MODES", "LR_DECAY_STYLES", "MASTER_WEIGHTS",
     "NATIVE_OPTIMIZERS", "NORMALIZATIONS", "OPTIMIZERS", "PARAMS_DTYPES", "POSITION_EMBEDDINGS",
-    "EVAL_SPLITS", "REWARDS", "RL_LOSSES", "START_METHODS", "TARGET_NAMES", "UPDATE_FACTOR_DTYPES",
+    "EVAL_SPLITS", "RECOMPUTES", "RECOMPUTE_METHODS", "REWARDS", "RL_LOSSES", "START_METHODS",
+    "TARGET_NAMES", "UPDATE_FACTOR_DTYPES",
     "AdvantagesConfig", "CheckpointConfig", "Config", "DataConfig", "EvalConfig",
     "GrpoLossConfig", "KLControlConfig", "LoGRAConfig", "LoRAConfig", "LossConfig",
     "MathVerifyConfig", "ModelConfig", "OptimizerConfig", "PaperAdvantageConfig",

@@ -11,11 +11,14 @@ ACTIVATIONS: tuple[str, ...] = ("gelu", "swiglu")
 POSITION_EMBEDDINGS: tuple[str, ...] = ("rope", "learned_absolute")
 PARAMS_DTYPES: tuple[str, ...] = ("fp32", "bf16")
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
+ATTENTIONS: tuple[str, ...] = ("sdpa", "local", "te")
+RECOMPUTES: tuple[str, ...] = ("none", "selective", "full")
+RECOMPUTE_METHODS: tuple[str, ...] = ("uniform", "block")
 
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """A GPT built from Megatron-Core's local (non-Transformer-Engine) layer spec."""
+    """A GPT built from Megatron-Core's layer spec with our sketch-capable linears."""
 
     num_layers: int = 2
     hidden_size: int = 64
@@ -44,6 +47,21 @@ class ModelConfig:
     params_dtype: str = "fp32"
     """``fp32``, or ``bf16`` (Megatron's mixed precision: bf16 weights and compute, fp32 main
     gradients and optimizer state)."""
+    attention: str = "sdpa"
+    """Core attention: ``sdpa`` (torch's scaled_dot_product_attention: fused flash /
+    memory-efficient kernels, no ``s x s`` storage), ``local`` (Megatron's DotProductAttention,
+    which keeps ``[b, heads/tp, s, s]`` probabilities per layer) or ``te`` (Transformer Engine's
+    fused attention and norms; GPU with Transformer Engine installed)."""
+    recompute: str = "none"
+    """Activation recompute: ``none``; ``selective`` (core attention only: its inputs are kept
+    and it is recomputed in backward; removes the ``s x s`` probabilities of ``local``, little
+    with ``sdpa``); ``full`` (whole layers, Megatron's ``recompute_method``)."""
+    recompute_method: str | None = None
+    """With ``recompute=full``: ``uniform`` (checkpoint every group of ``recompute_num_layers``
+    layers; only the groups' inputs are kept) or ``block`` (recompute the first
+    ``recompute_num_layers`` layers of each pipeline stage, keep the rest). Default uniform."""
+    recompute_num_layers: int | None = None
+    """With ``recompute=full``: layers per group (uniform) or per stage (block). Default 1."""
     init_checkpoint: str | None = None
     """Start from the weights of this checkpoint directory (model-only, e.g. a converted Hugging
     Face model or a warm start, or a training checkpoint) instead of random initialisation. Any
@@ -61,6 +79,9 @@ class ModelConfig:
         check_choice(f"{path}.activation", self.activation, ACTIVATIONS)
         check_choice(f"{path}.position_embedding", self.position_embedding, POSITION_EMBEDDINGS)
         check_choice(f"{path}.params_dtype", self.params_dtype, PARAMS_DTYPES)
+        check_choice(f"{path}.attention", self.attention, ATTENTIONS)
+        check_choice(f"{path}.recompute", self.recompute, RECOMPUTES)
+        self._check_recompute(path)
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"{path}.hidden_size={self.hidden_size} must be divisible by "
@@ -73,6 +94,28 @@ class ModelConfig:
                     f"{path}.num_attention_heads={self.num_attention_heads} must be divisible by "
                     f"{path}.num_query_groups={self.num_query_groups}"
                 )
+
+    def _check_recompute(self, path: str) -> None:
+        if self.recompute != "full":
+            for name in ("recompute_method", "recompute_num_layers"):
+                if getattr(self, name) is not None:
+                    raise ValueError(
+                        f"{path}.{name}={getattr(self, name)!r} only acts with "
+                        f"{path}.recompute=full, not {self.recompute!r}; drop it or set "
+                        f"{path}.recompute=full"
+                    )
+            return
+        if self.recompute_method is not None:
+            check_choice(f"{path}.recompute_method", self.recompute_method, RECOMPUTE_METHODS)
+        if self.recompute_num_layers is not None:
+            check_positive(f"{path}.recompute_num_layers", self.recompute_num_layers)
+
+    @property
+    def full_recompute(self) -> tuple[str, int] | None:
+        """``(method, layers)`` of full recompute, defaults filled in; None without it."""
+        if self.recompute != "full":
+            return None
+        return self.recompute_method or "uniform", self.recompute_num_layers or 1
 
     @property
     def query_groups(self) -> int:

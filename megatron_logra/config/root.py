@@ -71,6 +71,12 @@ class Config:
                 "logra.kl_control.enabled=true controls LoGRA updates; it needs "
                 "optimizer.name=logra"
             )
+        if self.logra.kl_control.enabled and m.attention == "te":
+            raise ValueError(
+                "logra.kl_control.enabled=true probes the model with forward-mode AD, which "
+                "Transformer Engine's kernels do not support (model.attention=te); use "
+                "model.attention=sdpa or disable logra.kl_control"
+            )
         master = self.logra.master_weights
         if (master, m.params_dtype) in (("none", "bf16"), ("dp_sharded", "fp32")):
             raise ValueError(
@@ -83,6 +89,13 @@ class Config:
             raise ValueError(
                 f"model.num_layers={m.num_layers} must be divisible by parallel.pp * "
                 f"parallel.vpp = {stages} (every pipeline stage holds the same number of layers)"
+            )
+        full = m.full_recompute
+        if full is not None and full[1] > m.num_layers // stages:
+            raise ValueError(
+                f"model.recompute_num_layers={full[1]} exceeds the {m.num_layers // stages} layer(s) "
+                f"of a pipeline stage (model.num_layers={m.num_layers} over "
+                f"{stages} stages); lower it"
             )
         if p.sp and m.seq_length % p.tp:
             raise ValueError(

@@ -13,7 +13,9 @@ reduction-order noise:
 * TP=2 x DP=2 with SP and the distributed optimizer, on 4 processes;
 * PP=2 == PP=1 (1F1B), VPP (PP=2 x 2 virtual stages, interleaved) == PP=1, TP=2 x PP=2 with SP
   == TP=1 x PP=1, PP=2 with the distributed optimizer and DP=2, and PP=2 with tied embeddings
-  (the last stage's copy of the embedding) == PP=1 tied.
+  (the last stage's copy of the embedding) == PP=1 tied;
+* full activation recompute (block method) == none, at DP=2: bit for bit (the recomputed forward
+  repeats the same operations; each sketch is accumulated once per microbatch).
 
 Model initialisation is layout independent by construction, so the runs start from the same
 full weights: the first-step loss is compared too.
@@ -61,6 +63,8 @@ RUNS: dict[str, tuple[str, list[str]]] = {
     "pp2_dp2_distopt": ("pp2_dp2_distopt", ["train.micro_batch_size=2"]),
     "tied": ("tp1", [TIED, MICRO_BATCH_4]),
     "tied_pp2": ("pp2", [TIED, MICRO_BATCH_4]),
+    "dp2_recompute": ("dp2", [MICRO_BATCH_4, "model.recompute=full",
+                              "model.recompute_method=block", "model.recompute_num_layers=2"]),
 }
 
 
@@ -104,6 +108,11 @@ def test_logra_training_is_layout_invariant(candidate, reference, runs):
         f"{candidate} vs {reference}: loss rel err {loss_err:.2e}")
     assert weight_err < LOGRA_LAYOUT_WEIGHT_REL_TOL, (
         f"{candidate} vs {reference}: weight err {weight_err:.2e}")
+
+
+def test_logra_training_with_full_recompute_equals_the_run_without_it(runs):
+    loss_err, weight_err = _compare(_run(runs, "dp2_recompute"), _run(runs, "dp2"))
+    assert (loss_err, weight_err) == (0.0, 0.0)
 
 
 def test_reference_run_updates_every_step_and_lowers_the_loss(runs):

@@ -5,7 +5,9 @@
 * the samples, rewards, losses and the KL controller's decisions do not depend on the layout
   (TP=2 with SP, DP=2 and PP=2 against TP=1): sampling is counter based per global sequence;
 * GRPO with a reference KL runs on-policy (the clipped ratio is exactly 1);
-* resume == uninterrupted, running baseline and KL-controller state included.
+* resume == uninterrupted, running baseline and KL-controller state included;
+* full activation recompute == none at PP=2, bit for bit (the sampler and the KL probe run in
+  eval mode, where Megatron does not recompute; training gradients are bit-identical).
 The model is randomly initialised (tiny, fast); learning itself is tested in test_rl_learning.py.
 """
 
@@ -115,4 +117,15 @@ def test_rl_resume_equals_the_uninterrupted_run(runs):
     fields = ("loss", "reward", "baseline", "alpha", "mismatch", "kl_realized", *EVAL_FIELDS)
     want = [[r.get(f) for f in fields] for r in read_metrics(full / "metrics.jsonl")]
     got = [[r.get(f) for f in fields] for r in read_metrics(split / "metrics.jsonl")]
+    assert got == want
+
+
+def test_rl_with_full_recompute_equals_the_run_without_it_at_pp2(runs):
+    nproc, parallel = LAYOUTS["pp2"]
+    plain = _layout_run(runs, "pp2")
+    recomputed = runs.run("pp2_recompute", nproc, [*parallel, "model.recompute=full"])
+    fields = ("loss", "reward", "accuracy", "response_length", "grad_norm", "kl_predicted",
+              "kl_realized", "alpha", "mismatch", "baseline", *EVAL_FIELDS)
+    want = [[r.get(f) for f in fields] for r in read_metrics(plain / "metrics.jsonl")]
+    got = [[r.get(f) for f in fields] for r in read_metrics(recomputed / "metrics.jsonl")]
     assert got == want

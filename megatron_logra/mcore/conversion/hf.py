@@ -19,6 +19,7 @@ A converted directory (``tools/convert_hf.py to-megatron``)::
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Iterable, Mapping
@@ -199,7 +200,10 @@ def load_hf_weights_(
 def _checkpoint_to_parameter_suffix(model: ModelConfig) -> dict[str, str]:
     """Megatron's checkpoint keys rename the layer norms to Transformer Engine's fused names
     (the layer spec's sharded_state_dict_keys_map); this maps them back to parameter names."""
-    spec = gpt_layer_spec(model, sequence_parallel=False, layers_per_chunk=1)
+    # Every attention kind keeps the local spec's parameter names (te_modules), so the local
+    # spec's map serves all of them and a te model converts without Transformer Engine.
+    local = dataclasses.replace(model, attention="local")
+    spec = gpt_layer_spec(local, sequence_parallel=False, layers_per_chunk=1)
     keys_map: dict[str, str] = dict(spec.submodules.sharded_state_dict_keys_map)
     return {checkpoint: parameter for parameter, checkpoint in keys_map.items()}
 

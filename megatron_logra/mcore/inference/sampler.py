@@ -9,8 +9,9 @@ with every module in eval mode, and the modes are restored afterwards.
 ``inference_context``, every attention layer appends its keys and values to per-layer buffers
 and attends over the cached prefix, and the output layer computes the logits of the last
 position only. It works on CPU under the compatibility layer unchanged (the buffers are
-allocated on ``torch.cuda.current_device()``, which the layer maps to the CPU) with the local
-spec's ``DotProductAttention``. (The dynamic context needs flash-attention kernels and cannot.)
+allocated on ``torch.cuda.current_device()``, which the layer maps to the CPU) with either CPU
+core attention (``model.attention=sdpa`` or ``local``: both take the cached keys and Megatron's
+boolean masks). (The dynamic context needs flash-attention kernels and cannot.)
 One forward prefills the whole prompt block, then each step decodes one token per sequence.
 
 **Prompts of different lengths** are left-padded to a common block, so every sequence's next

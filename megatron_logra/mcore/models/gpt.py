@@ -1,8 +1,10 @@
 """Build a Megatron-Core GPTModel for a run, with layout-independent initialisation.
 
-The model uses Megatron's local layer spec (no Transformer Engine) with two substitutions: the
-four target linears are the sketch-capable subclasses of Megatron's parallel linears (identical
-to Megatron's layers until a sketch is attached), and the norms accept sequence parallelism.
+The model uses Megatron's local layer spec with three substitutions: the four target linears
+are the sketch-capable subclasses of Megatron's parallel linears (identical to Megatron's layers
+until a sketch is attached), the norms accept sequence parallelism, and core attention is the one
+``model.attention`` names (``sdpa``: :class:`SDPAttention`, no ``s x s`` storage; ``local``:
+Megatron's ``DotProductAttention``; ``te``: Transformer Engine's fused attention and norms, on GPU).
 
 Initialisation is layout independent by construction: every parameter is drawn as its full TP=1
 tensor from a generator seeded by ``(train.seed, global parameter name)`` and this rank's shard
@@ -21,18 +23,21 @@ import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from megatron_logra.config import Config, ModelConfig
 from megatron_logra.mcore.models.norms import SequenceParallelTorchNorm
+from megatron_logra.mcore.models.sdpa_attention import SDPAttention
 from megatron_logra.mcore.models.sharding import (
     full_shape,
     global_named_parameters,
     partition_of,
     shard_from_full,
 )
+from megatron_logra.mcore.models.te_modules import transformer_engine_modules
 from megatron_logra.mcore.process_groups import ParallelGroups
 from megatron_logra.mcore.tensor_parallel.sketched_linear import (
     SketchedColumnParallelLinear,
@@ -49,6 +54,7 @@ def transformer_config(cfg: Config, device: torch.device) -> TransformerConfig:
     """The one written-out mapping from our model/parallel sections to Megatron's config."""
     m: ModelConfig = cfg.model
     params_dtype = torch.bfloat16 if m.params_dtype == "bf16" else torch.float32
+    method, recompute_layers = m.full_recompute or (None, None)
     return TransformerConfig(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
@@ -85,13 +91,20 @@ def transformer_config(cfg: Config, device: torch.device) -> TransformerConfig:
         cross_entropy_loss_fusion=False,
         # Interleaved pipelining over gloo mismatches batched p2p messages (silently wrong).
         batch_p2p_comm=False,
+        recompute_granularity=None if m.recompute == "none" else m.recompute,
+        recompute_method=method,
+        recompute_num_layers=recompute_layers,
+        # Selective recompute covers core attention only: in Megatron 0.16.1 the mlp module's
+        # recompute hangs with biases and the layernorm one needs Transformer Engine.
+        recompute_modules=["core_attn"],
     )
 
 
 def gpt_layer_spec(
     m: ModelConfig, sequence_parallel: bool, layers_per_chunk: int
 ) -> ModuleSpec | TransformerBlockSubmodules:
-    """Megatron's local GPT layer spec with sketch-capable linears and SP-capable norms.
+    """Megatron's local GPT layer spec with sketch-capable linears, SP-capable norms and the
+    core attention of ``model.attention`` (``te`` also takes Transformer Engine's norms).
 
     ``layers_per_chunk`` is the number of decoder layers one model chunk builds (a block spec
     lists exactly the layers of its pipeline stage; Megatron numbers them globally).
@@ -102,14 +115,19 @@ def gpt_layer_spec(
     layer.self_attention.submodules.linear_proj = SketchedRowParallelLinear
     layer.mlp.submodules.linear_fc1 = SketchedColumnParallelLinear
     layer.mlp.submodules.linear_fc2 = SketchedRowParallelLinear
-    layer.input_layernorm = SequenceParallelTorchNorm
-    layer.pre_mlp_layernorm = SequenceParallelTorchNorm
-    if not sequence_parallel:
+    if m.attention == "te":
+        norm, core_attention = transformer_engine_modules()
+    else:
+        norm = SequenceParallelTorchNorm
+        core_attention = SDPAttention if m.attention == "sdpa" else DotProductAttention
+    layer.self_attention.submodules.core_attention = core_attention
+    layer.input_layernorm = norm
+    layer.pre_mlp_layernorm = norm
+    if not sequence_parallel and m.attention != "te":
         return spec
-    # The final norm is chosen by the block spec; pass it explicitly so it is SP-capable too.
-    return TransformerBlockSubmodules(
-        layer_specs=[spec] * layers_per_chunk, layer_norm=SequenceParallelTorchNorm
-    )
+    # The final norm is chosen by the block spec; pass it explicitly so it is SP-capable too
+    # (and Transformer Engine's with te).
+    return TransformerBlockSubmodules(layer_specs=[spec] * layers_per_chunk, layer_norm=norm)
 
 
 def build_model_chunks(
@@ -121,6 +139,11 @@ def build_model_chunks(
     the finalize/sync hooks from the first chunk's config).
     """
     m = cfg.model
+    if m.attention == "te" and groups.device.type != "cuda":
+        raise ValueError(
+            f"model.attention=te runs Transformer Engine's GPU kernels, but this run is on "
+            f"{groups.device.type}; use model.attention=sdpa (or local) here"
+        )
     config = transformer_config(cfg, groups.device)
     chunks = []
     for chunk in range(groups.vpp_size):

@@ -21,6 +21,35 @@ TARGET_PATHS: dict[str, tuple[str, str]] = {
     "linear_fc2": ("mlp.linear_fc2", "row"),
 }
 
+# The layer types a sketched model may be built of (class names, so that Transformer Engine's
+# attention is named without importing TE on a CPU machine): Megatron's dense TransformerLayer
+# with SelfAttention and an MLP, and the core attention of each model.attention choice.
+SUPPORTED_LAYERS: dict[str, tuple[str, ...]] = {
+    "": ("TransformerLayer",),
+    "self_attention": ("SelfAttention",),
+    "self_attention.core_attention": (
+        "SDPAttention", "DotProductAttention", "TEDotProductAttention",
+    ),
+    "mlp": ("MLP",),
+}
+
+
+def check_supported_layer(layer: torch.nn.Module, global_index: int) -> None:
+    """Refuse a decoder layer whose structure the targets and the KL probe were not built for
+    (multi-latent attention, MoE experts, fused TE layernorm-linears, ...)."""
+    for path, names in SUPPORTED_LAYERS.items():
+        module = layer
+        for attr in filter(None, path.split(".")):
+            module = getattr(module, attr, None)
+        kind = type(module).__name__
+        if kind not in names:
+            where = f"decoder.layers.{global_index}" + (f".{path}" if path else "")
+            raise TypeError(
+                f"{where} is a {kind}; LoGRA supports {' or '.join(names)} there: build the "
+                "model with megatron_logra.mcore.models.gpt.gpt_layer_spec (model.attention="
+                "sdpa, local or te)"
+            )
+
 
 @dataclass(frozen=True)
 class SketchTarget:
@@ -74,6 +103,7 @@ def find_targets(
             raise TypeError("LoGRA targets live in a GPTModel's decoder; this chunk has none")
         for layer in decoder.layers:
             global_index = layer.layer_number - 1
+            check_supported_layer(layer, global_index)
             for name in target_names:
                 path, kind = TARGET_PATHS[name]
                 module: torch.nn.Module = layer

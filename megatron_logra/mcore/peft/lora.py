@@ -54,6 +54,7 @@ from megatron.core.transformer.utils import (
     make_sharded_tensors_for_checkpoint,
 )
 
+from megatron_logra.mcore.models.grad_anchor import anchor_embedding_output
 from megatron_logra.mcore.models.targets import SketchTarget, find_targets
 from megatron_logra.mcore.process_groups import ParallelGroups
 
@@ -207,7 +208,8 @@ def attach_lora(
 ) -> list[LoRAAdapter]:
     """Freeze ``model_chunks`` and add a LoRA adapter to every target linear; returns them in
     layer order. Call before Megatron's DDP and optimizer are built (they collect the
-    parameters that require grad: exactly the adapters)."""
+    parameters that require grad: exactly the adapters). The embedding's output is anchored to
+    require grad (mcore/models/grad_anchor.py)."""
     _validate(lora_rank, alpha, seed, target_names)
     targets = find_targets(model_chunks, target_names, tp_rank=groups.tp_rank)
     for target in targets:
@@ -215,6 +217,8 @@ def attach_lora(
     for chunk in model_chunks:
         for param in chunk.parameters():
             param.requires_grad_(False)
+    # A frozen embedding: without the anchor, full recompute would never reach the adapters.
+    anchor_embedding_output(model_chunks)
     scale = alpha / lora_rank
     adapters = []
     for target in targets:

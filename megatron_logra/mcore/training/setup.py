@@ -23,7 +23,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron_logra.config import Config
 from megatron_logra.logra_mode import logra_mode
 from megatron_logra.mcore.kl_probe.step_control import KLStepControl
-from megatron_logra.mcore.models.sharding import unwrap_model
+from megatron_logra.mcore.models.grad_anchor import anchor_embedding_output
 from megatron_logra.mcore.models.targets import find_targets
 from megatron_logra.mcore.optimizer.chained import LoGRAChainedOptimizer
 from megatron_logra.mcore.optimizer.logra import LoGRAOptimizer
@@ -87,25 +87,12 @@ def finalize_grads_with_sketches(
 
 
 def freeze_non_targets(model_chunks: list[torch.nn.Module]) -> None:
-    """The paper trains only the sketched linears: freeze everything else.
-
-    With every parameter frozen, nothing upstream of the first sketched layer would require
-    grad and backward would never reach the sketches; the embedding's output is therefore made
-    to require grad (an anchor for autograd, no parameter gets a gradient). Later pipeline
-    stages receive their inputs from Megatron's schedule with requires_grad set.
-    """
+    """The paper trains only the sketched linears: freeze everything else, and anchor the
+    embedding's output so that backward still reaches the sketches (grad_anchor)."""
     for chunk in model_chunks:
         for param in chunk.parameters():
             param.requires_grad_(False)
-        embedding = getattr(unwrap_model(chunk), "embedding", None)
-        if embedding is not None and getattr(unwrap_model(chunk), "pre_process", False):
-            embedding.register_forward_hook(_require_grad_output)
-
-
-def _require_grad_output(module: torch.nn.Module, args: object, output: torch.Tensor):
-    if torch.is_grad_enabled() and not output.requires_grad:
-        return output.requires_grad_(True)
-    return output
+    anchor_embedding_output(model_chunks)
 
 
 def setup_training(

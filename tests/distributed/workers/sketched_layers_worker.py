@@ -13,10 +13,20 @@ claims:
 * ``saved``: bytes autograd saved inside each target layer's forward (parameters excluded), for the
   sketched and the dense model, with the shapes involved;
 * ``ddp``: DDP grad-buffer sizes with the targets frozen, with and without the distributed
-  optimizer, and the number of target parameters inside any buffer.
+  optimizer, and the number of target parameters inside any buffer;
+* ``recompute``: per activation-recompute mode (full uniform, full block, selective), the same
+  float64 two-microbatch run as ``sketch`` with recompute on: max |difference| of the sketch
+  buffer, the embedding gradient and the loss from the run without recompute, how many times
+  each layer's sketch was accumulated, and how many times layer 0's ``linear_qkv`` and core
+  attention ran forward (twice per microbatch where they are recomputed); and for full uniform
+  recompute of a dense model and of a LoRA model (everything frozen but the adapters), max
+  |difference| of every trainable parameter's gradient from the run without recompute.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from collections import Counter
 
 import torch
 import torch.distributed as dist
@@ -25,6 +35,7 @@ from harness import Case, run_worker
 from megatron_logra.config import load_config
 from megatron_logra.mcore.models.gpt import build_model
 from megatron_logra.mcore.models.targets import find_targets
+from megatron_logra.mcore.peft.lora import attach_lora
 from megatron_logra.mcore.tensor_parallel.sketched_linear import LayerSketch
 from megatron_logra.projection import generate_projection, projection_key
 from megatron_logra.sketch_buffer import FlatSketchBuffer, SketchSlot
@@ -221,8 +232,85 @@ def measure_ddp(cfg, groups):
     return out
 
 
+RECOMPUTE_MODES = {
+    "full_uniform": ["full", "uniform", 1],
+    "full_block": ["full", "block", 1],
+    "selective": ["selective", None, None],
+}
+
+
+def sketched_run(cfg, groups, recompute: list):
+    """The float64 sketched model's two-microbatch run with ``recompute``: (sketch buffer,
+    embedding gradient, loss, accumulations per layer, forwards of layer 0's modules)."""
+    mode, method, num_layers = recompute
+    model_cfg = dataclasses.replace(cfg.model, recompute=mode, recompute_method=method,
+                                    recompute_num_layers=num_layers)
+    model = build_model(dataclasses.replace(cfg, model=model_cfg), groups, VOCAB).double()
+    _, buffer, _ = attach_sketches(model, groups, torch.float64)
+    accumulations: Counter[str] = Counter()
+    accumulate = buffer.accumulate_
+
+    def counting_accumulate(layer_key, *args):
+        accumulations[layer_key] += 1
+        return accumulate(layer_key, *args)
+
+    buffer.accumulate_ = counting_accumulate
+    forwards: Counter[str] = Counter()
+    attention = model.decoder.layers[0].self_attention
+    for name in ("linear_qkv", "core_attention"):
+        getattr(attention, name).register_forward_hook(
+            lambda *_, name=name: forwards.update([name]))
+    loss = run_loss(model, batches(groups, 2))
+    return (buffer.data.clone(), model.embedding.word_embeddings.weight.grad, loss,
+            accumulations, dict(forwards))
+
+
+def trainable_grads(cfg, groups, recompute: list, method: str) -> list[torch.Tensor]:
+    """Gradients of every trainable parameter after the two-microbatch float64 run of a dense
+    (``method="dense"``) or LoRA model with ``recompute``."""
+    mode, recompute_method, num_layers = recompute
+    model_cfg = dataclasses.replace(cfg.model, recompute=mode, recompute_method=recompute_method,
+                                    recompute_num_layers=num_layers)
+    model = build_model(dataclasses.replace(cfg, model=model_cfg), groups, VOCAB).double()
+    if method == "lora":
+        adapters = attach_lora([model], ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
+                               lora_rank=4, alpha=8.0, groups=groups, seed=1)
+        with torch.no_grad():  # B starts at zero; a nonzero B gives A a gradient too
+            for adapter in adapters:
+                adapter.b.normal_(0.0, 0.02, generator=torch.Generator().manual_seed(9))
+    run_loss(model, batches(groups, 2))
+    return [p.grad for p in model.parameters() if p.requires_grad]
+
+
+def measure_recompute(cfg, groups):
+    sketch, embedding_grad, loss, _, forwards = sketched_run(cfg, groups, ["none", None, None])
+    out = {"none": {"forwards": forwards}}
+    for name, recompute in RECOMPUTE_MODES.items():
+        got_sketch, got_grad, got_loss, accumulations, forwards = sketched_run(
+            cfg, groups, recompute)
+        out[name] = {
+            "sketch_max_abs_diff": float((got_sketch - sketch).abs().max()),
+            "embedding_grad_max_abs_diff": float((got_grad - embedding_grad).abs().max()),
+            "loss_abs_diff": abs(got_loss - loss),
+            "accumulations_per_layer": sorted(set(accumulations.values())),
+            "layers": len(accumulations),
+            "forwards": forwards,
+        }
+    for method in ("dense", "lora"):
+        want = trainable_grads(cfg, groups, ["none", None, None], method)
+        got = trainable_grads(cfg, groups, RECOMPUTE_MODES["full_uniform"], method)
+        out[f"{method}_full_uniform"] = {
+            "num_grads": sum(g is not None for g in got),
+            "num_trainable": len(got),
+            "grad_max_abs_diff": max(float((a - b).abs().max()) for a, b in
+                                     zip(got, want, strict=True)),
+        }
+    return out
+
+
 def measure(args, cfg, groups):
     return {
+        "recompute": measure_recompute(cfg, groups),
         "layout": {"tp": groups.tp_size, "dp": groups.dp_size, "sp": args.sp,
                    "tokens": SEQ * MICRO_BATCH, "sketch_rank": SKETCH_RANK},
         "sketch": measure_sketch(cfg, groups),
