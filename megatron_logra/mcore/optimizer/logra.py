@@ -23,7 +23,7 @@ Step anatomy (driven by Megatron's schedule and the training loop):
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -43,6 +43,7 @@ from megatron_logra.projection import generate_projection, projection_key
 from megatron_logra.sketch import apply_low_rank_update_, reconstructed_sq_norm
 from megatron_logra.sketch_buffer import FlatSketchBuffer, SketchSlot
 from megatron_logra.step_scale import ProposedUpdate, StepScale
+from megatron_logra.sync.records import FactorPiece, LowRankUpdate
 
 
 class _TargetParamGroups(torch.optim.Optimizer):
@@ -83,6 +84,9 @@ class LoGRAOptimizer(MegatronOptimizer):
             weight decay and clip_grad come from it and from the scheduler).
         groups: process groups of this rank.
         step_scale: chooses the scale of each prepared update (None: scale 1).
+        update_listener: receives, after every applied update, one record per target of what
+            this rank merged (its factor rows, the merge's scalars, the projection's seed): the
+            trainer side of low-rank policy sync (:mod:`megatron_logra.sync`). None: no records.
     """
 
     def __init__(
@@ -94,6 +98,7 @@ class LoGRAOptimizer(MegatronOptimizer):
         config: MegatronOptimizerConfig,
         groups: ParallelGroups,
         step_scale: StepScale | None = None,
+        update_listener: Callable[[list[LowRankUpdate]], None] | None = None,
     ) -> None:
         if not targets:
             raise ValueError("LoGRAOptimizer needs at least one target on this rank")
@@ -119,6 +124,7 @@ class LoGRAOptimizer(MegatronOptimizer):
         self.logra = logra
         self.mode = mode
         self.step_scale = step_scale
+        self.update_listener = update_listener
         self.groups = groups
         self.update_count = 0
         self.compute_dtype = weight_dtype
@@ -388,12 +394,15 @@ class LoGRAOptimizer(MegatronOptimizer):
         if not math.isfinite(scale) or scale < 0.0:
             raise RuntimeError(f"refusing to apply an update with scale {scale}")
         lr, weight_decay = self._step_size()
+        records: list[LowRankUpdate] = []
         for target in self.targets:
             direction, step_lr = self.mode.merge_factor(
                 self.sketches.owned_view(target.layer_key), scale, lr
             )
             projection = self.projection_of(target)
             master = self.masters.get(target.layer_key)
+            if self.update_listener is not None:
+                records.append(self._sync_record(target, direction, step_lr, weight_decay))
             # (1 - step_lr * wd) with step_lr = scale * lr: the decay is scaled with the step
             # (paper mode has no decay, and its scale is folded into the rounded factor).
             if master is None:
@@ -408,6 +417,25 @@ class LoGRAOptimizer(MegatronOptimizer):
         self._prepared = False
         if self.logra.refresh:
             self.refresh_projections()
+        if self.update_listener is not None:
+            self.update_listener(records)
+
+    def _sync_record(self, target: SketchTarget, factor_OR: torch.Tensor, step_lr: float,
+                     weight_decay: float) -> LowRankUpdate:
+        """What this rank merges into ``target`` in the current update, for policy sync."""
+        master = self.masters.get(target.layer_key)
+        rows = master.shard.ranges() if master is not None else ((0, target.rows),)
+        piece = FactorPiece(tuple(rows), target.col_start, target.col_end,
+                            factor_OR.detach().clone())  # the sketch buffer is reused
+        return LowRankUpdate(
+            layer_key=target.layer_key, update_count=self.update_count + 1,
+            seed=self.logra.seed, projection_count=self.update_count if self.logra.refresh else 0,
+            distribution=self.logra.distribution, sketch_rank=self.sketch_rank_of(target),
+            in_features=target.in_features,
+            projection_dtype=str(self.compute_dtype).removeprefix("torch."),
+            lr=step_lr, weight_decay=weight_decay, tp_rank=self.groups.tp_rank,
+            tp_size=self.groups.tp_size, pieces=(piece,),
+        )
 
     @torch.no_grad()
     def step_with_ready_grads(self) -> bool:
