@@ -8,10 +8,11 @@ merge takes them -- not the product ``U = lr F``: the merge computes ``lr * (F A
 ``addmm``, and a pre-multiplied ``U A`` rounds differently -- plus what regenerates ``A``
 (seed, projection count, layer key, distribution, sketch rank, global column range).
 
-A record holds the factor rows of one trainer rank (:class:`FactorPiece`): the rows of the
-weight that rank's master covers (all rows, or its DP-sharded row ranges) and the input columns
-its weight covers. The engine replays each piece as one merge call of the same shape, so it
-reproduces the trainer's rounding exactly.
+A record holds the factor rows of one or more trainer ranks (:class:`FactorPiece`): the rows of
+the full (TP=1) weight that a rank's master covers (all rows; a column-parallel TP shard's rows;
+its DP-sharded row chunks) and the global input columns its weight covers (a row-parallel TP
+shard's slice). The engine replays each piece as one merge call on a block of the same shape,
+so it reproduces the trainer's rounding exactly, whatever the trainer's layout.
 
 Shape suffixes: O = rows of a piece, R = sketch rank.
 """
@@ -34,8 +35,9 @@ class FactorPiece:
     """Factor rows of one trainer rank.
 
     Attributes:
-        row_ranges: ``(lo, hi)`` ranges of the layer's (TP-local) weight rows, in the order the
-            factor's rows follow them (a DP-sharded master owns one range per stride block).
+        row_ranges: ``(lo, hi)`` ranges of the full (TP=1) weight's rows, in the order the
+            factor's rows follow them (one range per stride block: a gated fc1's TP shard or
+            DP-sharded master holds a gate and an up range).
         col_start, col_end: the global input columns of the weight the piece is merged into
             (a row-parallel TP shard covers a slice; otherwise ``0, in_features``).
         factor_OR: ``F`` as merged, fp32 (or the wire dtype after decoding).
@@ -69,7 +71,6 @@ class LowRankUpdate:
         projection_dtype: ``float32``, ``bfloat16`` or ``float16``: A is rounded through it
             before the merge, as the trainer does for low-precision weights.
         lr, weight_decay: the merge's scalars (``W <- (1 - lr wd) W - lr F A``).
-        tp_rank, tp_size: the trainer's tensor-parallel shard the pieces' rows are local to.
         pieces: the factor rows, one piece per contributing trainer rank.
     """
 
@@ -83,8 +84,6 @@ class LowRankUpdate:
     projection_dtype: str
     lr: float
     weight_decay: float
-    tp_rank: int
-    tp_size: int
     pieces: tuple[FactorPiece, ...]
 
     def __post_init__(self) -> None:
@@ -153,9 +152,12 @@ def full_sync_buckets(
 
 
 def combine_rank_records(per_rank: list[list[LowRankUpdate]]) -> list[LowRankUpdate]:
-    """One record per layer from the records of the ranks that share its rows (the DP ranks of
-    DP-sharded masters, each holding its own rows): their pieces, concatenated in rank order.
-    DP replicas of unsharded weights hold the same piece: ship one rank's records instead."""
+    """One record per layer from the records of every trainer rank: their pieces in rank order.
+
+    Replicas (DP ranks of unsharded weights) hold the same block of the weight: applying it
+    twice would apply the update twice, so a piece whose block was seen is dropped -- after
+    checking that its factor is the same bits.
+    """
     combined: dict[str, LowRankUpdate] = {}
     for records in per_rank:
         for record in records:
@@ -166,6 +168,15 @@ def combine_rank_records(per_rank: list[list[LowRankUpdate]]) -> list[LowRankUpd
             if dataclasses.replace(seen, pieces=()) != dataclasses.replace(record, pieces=()):
                 raise ValueError(f"ranks disagree on update {record.update_count} of "
                                  f"{record.layer_key}: {seen} vs {record}")
+            blocks = {(p.row_ranges, p.col_start, p.col_end): p for p in seen.pieces}
+            new = []
+            for piece in record.pieces:
+                replica = blocks.get((piece.row_ranges, piece.col_start, piece.col_end))
+                if replica is None:
+                    new.append(piece)
+                elif not torch.equal(replica.factor_OR, piece.factor_OR):
+                    raise ValueError(f"replicas of {record.layer_key} rows {piece.row_ranges} "
+                                     f"differ in update {record.update_count}")
             combined[record.layer_key] = dataclasses.replace(
-                seen, pieces=seen.pieces + record.pieces)
+                seen, pieces=seen.pieces + tuple(new))
     return list(combined.values())

@@ -140,12 +140,6 @@ class EngineShadow:
                 f"{update.update_count} ({'repeated' if update.update_count < expected else 'a gap'}"
                 "); request a full sync"
             )
-        if update.tp_size != 1:
-            raise NotImplementedError(
-                f"{update.layer_key}: records of a tensor-parallel trainer (tp_size "
-                f"{update.tp_size}) need the TP-local to global row map (docs/sync.md, what is "
-                "left); use a full sync"
-            )
         master_OI = self.masters[name]
         if master_OI.shape[1] != update.in_features:
             raise RuntimeError(f"{update.layer_key}: shadow has {master_OI.shape[1]} input "

@@ -74,8 +74,7 @@ def encode(record: SyncRecord, *, wire_dtype: str) -> bytes:
         ]
         fields = {k: getattr(record, k) for k in (
             "layer_key", "update_count", "seed", "projection_count", "distribution",
-            "sketch_rank", "in_features", "projection_dtype", "lr", "weight_decay", "tp_rank",
-            "tp_size")}
+            "sketch_rank", "in_features", "projection_dtype", "lr", "weight_decay")}
         header = {"type": "low_rank", **fields, "pieces": pieces}
     elif isinstance(record, DenseUpdate):
         header = {"type": "dense", "name": record.name, "update_count": record.update_count,

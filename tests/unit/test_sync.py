@@ -46,8 +46,8 @@ def _record(update_count: int, pieces, *, lr: float, weight_decay: float,
     return LowRankUpdate(
         layer_key=KEY, update_count=update_count, seed=SEED, projection_count=update_count - 1,
         distribution="rademacher", sketch_rank=SKETCH_RANK, in_features=COLS,
-        projection_dtype=projection_dtype, lr=lr, weight_decay=weight_decay, tp_rank=0,
-        tp_size=1, pieces=tuple(pieces),
+        projection_dtype=projection_dtype, lr=lr, weight_decay=weight_decay,
+        pieces=tuple(pieces),
     )
 
 
@@ -127,6 +127,17 @@ def test_shadow_refuses_repeated_and_out_of_order_updates_naming_layer_and_count
     with pytest.raises(RuntimeError, match="got update_count 2, it already holds update 2"):
         engine.apply(DenseUpdate("bias", 2, torch.ones(ROWS)))
     assert torch.equal(engine.masters[NAME], before)
+
+
+def test_combining_rank_records_keeps_one_copy_of_replicated_pieces():
+    factor = torch.ones(ROWS, SKETCH_RANK)
+    replica = [_record(1, [FactorPiece(((0, ROWS),), 0, COLS, factor)], lr=1.0, weight_decay=0.0)]
+    (record,) = combine_rank_records([replica, replica])
+    assert len(record.pieces) == 1
+    other = [_record(1, [FactorPiece(((0, ROWS),), 0, COLS, 2 * factor)], lr=1.0,
+                     weight_decay=0.0)]
+    with pytest.raises(ValueError, match="replicas of .* differ"):
+        combine_rank_records([replica, other])
 
 
 def test_full_sync_buckets_out_of_order_are_refused():

@@ -36,7 +36,11 @@ from megatron_logra.direction import DirectionContext, DirectionRule, make_direc
 from megatron_logra.logra_mode import LoGRAMode
 from megatron_logra.master_weights import RowShardedMaster
 from megatron_logra.mcore.models.targets import SketchTarget
-from megatron_logra.mcore.optimizer.logra_state import load_sharded_state, sharded_state_dict
+from megatron_logra.mcore.optimizer.logra_state import (
+    global_row_ranges,
+    load_sharded_state,
+    sharded_state_dict,
+)
 from megatron_logra.mcore.process_groups import ParallelGroups
 from megatron_logra.mcore.tensor_parallel.sketched_linear import LayerSketch
 from megatron_logra.projection import generate_projection, projection_key
@@ -423,9 +427,7 @@ class LoGRAOptimizer(MegatronOptimizer):
     def _sync_record(self, target: SketchTarget, factor_OR: torch.Tensor, step_lr: float,
                      weight_decay: float) -> LowRankUpdate:
         """What this rank merges into ``target`` in the current update, for policy sync."""
-        master = self.masters.get(target.layer_key)
-        rows = master.shard.ranges() if master is not None else ((0, target.rows),)
-        piece = FactorPiece(tuple(rows), target.col_start, target.col_end,
+        piece = FactorPiece(global_row_ranges(self, target), target.col_start, target.col_end,
                             factor_OR.detach().clone())  # the sketch buffer is reused
         return LowRankUpdate(
             layer_key=target.layer_key, update_count=self.update_count + 1,
@@ -433,8 +435,7 @@ class LoGRAOptimizer(MegatronOptimizer):
             distribution=self.logra.distribution, sketch_rank=self.sketch_rank_of(target),
             in_features=target.in_features,
             projection_dtype=str(self.compute_dtype).removeprefix("torch."),
-            lr=step_lr, weight_decay=weight_decay, tp_rank=self.groups.tp_rank,
-            tp_size=self.groups.tp_size, pieces=(piece,),
+            lr=step_lr, weight_decay=weight_decay, pieces=(piece,),
         )
 
     @torch.no_grad()

@@ -1,7 +1,7 @@
 """The real LoGRAOptimizer's sync records replayed by the engine's shadow (run with torchrun, 1
 process).
 
-Two trainers in one process, each trained ``--updates`` real steps through Megatron's schedule
+Two trainers in one process (SwiGLU: fc1 is [gate; up]), each trained ``--updates`` real steps through Megatron's schedule
 on the tiny GPT, with a listener on its LoGRA optimizer:
 
 * ``library_fp32``: library mode, fp32 weights (their own masters), weight decay, Adam on the
@@ -10,7 +10,9 @@ on the tiny GPT, with a listener on its LoGRA optimizer:
   on the wire, frozen non-targets (nothing dense to ship).
 
 The engine starts from a full sync of the initial state, then receives every record through
-the wire encoding. Writes ``--out/result.json``: per variant, the records applied, the names
+the wire encoding. The ``tp2`` case (2 processes) trains the library trainer at TP=2 and feeds
+one engine with full (TP=1) shadows the combined records of both ranks; it compares the target
+weights (the TP=1 layout of non-targets is not mapped yet, docs/sync.md). Writes ``--out/result.json``: per variant, the records applied, the names
 whose served weight differs from the trainer's (torch.equal) and whose checksum differs, and how many
 target weights the updates changed at all (so that equality is not the trivial kind).
 """
@@ -18,19 +20,21 @@ target weights the updates changed at all (so that equality is not the trivial k
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from harness import Case, run_worker
 
 from megatron_logra.config import load_config
 from megatron_logra.data.dataset_dir import load_tokenizer, load_tokens
 from megatron_logra.data.lm_batches import LMBatchSchedule
 from megatron_logra.mcore.models.gpt import build_model_chunks
+from megatron_logra.mcore.optimizer.logra_state import global_row_ranges
 from megatron_logra.mcore.training.setup import setup_training
 from megatron_logra.mcore.training.step import train_step
 from megatron_logra.sync.checksum import mismatched_weights, weight_checksums
-from megatron_logra.sync.records import DenseUpdate, full_sync_buckets
+from megatron_logra.sync.records import DenseUpdate, combine_rank_records, full_sync_buckets
 from megatron_logra.sync.shadow import EngineShadow
 from megatron_logra.sync.wire import decode, encode
-from tests.presets import tiny_gpt
+from tests.presets import SWIGLU_RMSNORM_NO_BIAS, tiny_gpt
 
 VARIANTS: dict[str, tuple[list[str], str]] = {
     "library_fp32": (["logra.mode=library", "model.params_dtype=fp32",
@@ -44,7 +48,7 @@ BUCKET_BYTES = 64 * 1024
 
 def variant_cfg(args, world: int, variant: str):
     overrides = [
-        "parallel.device=cpu", *tiny_gpt(), "train.micro_batch_size=4",
+        "parallel.device=cpu", f"parallel.tp={world}", *tiny_gpt(), *SWIGLU_RMSNORM_NO_BIAS, "train.micro_batch_size=4",
         "train.global_batch_size=4", "optimizer.name=logra", f"data.dir={args.data}",
         *VARIANTS[variant][0],
     ]
@@ -115,6 +119,61 @@ def replay(args, groups, variant: str) -> dict:
     }
 
 
+def _global_blocks(setup, groups, tensor_of) -> dict[str, torch.Tensor]:
+    """Each target's full (TP=1) tensor assembled from every rank's block (on every rank)."""
+    mine = {}
+    for target in setup.logra.targets:
+        mine[target.layer_key] = (global_row_ranges(setup.logra, target), target.col_start,
+                                  target.col_end, target.in_features,
+                                  tensor_of(target).detach().clone())
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    full = {}
+    for key in mine:
+        blocks = [rank[key] for rank in gathered]
+        rows = max(hi for ranges, *_ in blocks for _, hi in ranges)
+        out = torch.zeros(rows, blocks[0][3], dtype=blocks[0][4].dtype)
+        for ranges, lo_col, hi_col, _, tensor in blocks:
+            start = 0
+            for lo, hi in ranges:
+                out[lo:hi, lo_col:hi_col] = tensor[start : start + hi - lo]
+                start += hi - lo
+        full[f"{key}.weight"] = out
+    return full
+
+
+def measure_tp2(args, cfg, groups):
+    tokenizer = load_tokenizer(cfg.data.dir)
+    schedule = LMBatchSchedule(load_tokens(cfg.data.dir), seq_length=32, global_batch_size=4,
+                               seed=cfg.train.seed)
+    setup = setup_training(cfg, build_model_chunks(cfg, groups, tokenizer.vocab_size), groups)
+    records = []
+    setup.logra.update_listener = records.extend
+    weights = _global_blocks(setup, groups, lambda t: t.weight)
+    engine = EngineShadow(weights, served_dtype=torch.float32)
+    for bucket in full_sync_buckets(weights, update_count=0, bucket_bytes=BUCKET_BYTES):
+        engine.apply(bucket)
+    applied = 0
+    for update in range(1, args.updates + 1):
+        train_step(setup, schedule.microbatches(update, dp_rank=0, dp_size=1,
+                                                micro_batch_size=4),
+                   groups=groups, seq_length=32, micro_batch_size=4)
+        per_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, records)
+        records.clear()
+        for record in combine_rank_records(per_rank):
+            engine.apply(decode(encode(record, wire_dtype="fp32")))
+            applied += 1
+    served = _global_blocks(setup, groups, lambda t: t.weight)
+    return {
+        "low_rank_records": applied,
+        "num_targets": len(setup.logra.targets),
+        "update_count": setup.logra.update_count,
+        "targets_changed": sum(not torch.equal(weights[n], t) for n, t in served.items()),
+        "unequal": sorted(n for n, t in served.items() if not torch.equal(engine.served[n], t)),
+    }
+
+
 def measure(args, cfg, groups):
     del cfg
     return {variant: replay(args, groups, variant) for variant in VARIANTS}
@@ -126,4 +185,7 @@ def add_arguments(parser) -> None:
 
 
 if __name__ == "__main__":
-    run_worker({"sync_replay": Case(build_cfg, measure, world_sizes=(1,))}, add_arguments)
+    run_worker({
+        "sync_replay": Case(build_cfg, measure, world_sizes=(1,)),
+        "tp2": Case(build_cfg, measure_tp2, output="tp2.json", world_sizes=(2,)),
+    }, add_arguments)
