@@ -144,12 +144,27 @@ class EngineShadow:
         if master_OI.shape[1] != update.in_features:
             raise RuntimeError(f"{update.layer_key}: shadow has {master_OI.shape[1]} input "
                                f"columns, the update {update.in_features}")
+        for piece in update.pieces:  # check all before changing anything
+            self._check_piece(update, piece, master_OI.shape)
         for piece in update.pieces:
             proj_RI = regenerate_projection(update, piece.col_start, piece.col_end)
             _merge_piece_(master_OI, piece, proj_RI, lr=update.lr,
                           weight_decay=update.weight_decay)
         self.served[name] = self._cast(master_OI)
         self.counts[name] = expected
+
+    @staticmethod
+    def _check_piece(update: LowRankUpdate, piece: FactorPiece, shape: torch.Size) -> None:
+        rows, cols = shape
+        inside = all(0 <= lo < hi <= rows for lo, hi in piece.row_ranges)
+        if not inside or not 0 <= piece.col_start < piece.col_end <= cols:
+            raise RuntimeError(
+                f"{update.layer_key}: piece rows {piece.row_ranges}, columns "
+                f"[{piece.col_start}, {piece.col_end}) outside the shadow's {tuple(shape)}"
+            )
+        if piece.factor_OR.shape[1] != update.sketch_rank:
+            raise RuntimeError(f"{update.layer_key}: factor has {piece.factor_OR.shape[1]} "
+                               f"columns, sketch_rank is {update.sketch_rank}")
 
     def apply_dense(self, update: DenseUpdate) -> None:
         if update.name in self.target_names:

@@ -6,6 +6,9 @@ LoGRAOptimizer's records are replayed in tests/distributed/test_sync_replay.py."
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -25,7 +28,7 @@ from megatron_logra.sync.records import (
 from megatron_logra.sync.shadow import EngineShadow
 from megatron_logra.sync.sizes import model_sync_bytes, sync_bytes
 from megatron_logra.sync.wire import decode, encode
-from tests.unit.test_layering import PACKAGE, _imports
+from tests.torchrun import REPO, torchrun_env
 
 KEY = "decoder.layers.0.mlp.linear_fc1"
 NAME = f"{KEY}.weight"
@@ -123,9 +126,17 @@ def test_shadow_refuses_repeated_and_out_of_order_updates_naming_layer_and_count
         engine.apply(_record(1, [piece], lr=1.0, weight_decay=0.0))
     with pytest.raises(RuntimeError, match=rf"{KEY}: expected update_count 2, got 4 \(a gap"):
         engine.apply(_record(4, [piece], lr=1.0, weight_decay=0.0))
+    outside = FactorPiece(((0, ROWS // 2), (ROWS, ROWS + ROWS // 2)), 0, COLS,
+                          torch.ones(ROWS, SKETCH_RANK))
+    with pytest.raises(RuntimeError, match="outside the shadow"):
+        engine.apply(_record(2, [piece, outside], lr=1.0, weight_decay=0.0))
     engine.apply(DenseUpdate("bias", 2, torch.ones(ROWS)))
     with pytest.raises(RuntimeError, match="got update_count 2, it already holds update 2"):
-        engine.apply(DenseUpdate("bias", 2, torch.ones(ROWS)))
+        outside = FactorPiece(((0, ROWS // 2), (ROWS, ROWS + ROWS // 2)), 0, COLS,
+                          torch.ones(ROWS, SKETCH_RANK))
+    with pytest.raises(RuntimeError, match="outside the shadow"):
+        engine.apply(_record(2, [piece, outside], lr=1.0, weight_decay=0.0))
+    engine.apply(DenseUpdate("bias", 2, torch.ones(ROWS)))
     assert torch.equal(engine.masters[NAME], before)
 
 
@@ -193,10 +204,10 @@ def test_paper_mode_ships_only_factors_and_library_mode_adds_dense_non_targets()
     assert paper["full_total"] == shape.total_parameters() * 2
 
 
-@pytest.mark.parametrize("module", ["records", "wire", "shadow", "checksum", "sizes"])
-def test_sync_modules_import_no_megatron_and_only_pure_modules_of_ours(module):
-    imported = _imports(PACKAGE / "sync" / f"{module}.py")
-    assert not [m for m in imported if m.split(".")[0] == "megatron"]
-    pure = ("megatron_logra.sync", "megatron_logra.projection", "megatron_logra.sketch",
-            "megatron_logra.memory.shapes")
-    assert all(m.startswith(pure) for m in imported if m.startswith("megatron_logra")), imported
+def test_sync_bytes_tool_reports_paper_and_library_ratios_for_the_7b_config():
+    result = subprocess.run(
+        [sys.executable, "tools/sync_bytes.py", "configs/qwen2.5-7b.yaml"], cwd=REPO,
+        env=torchrun_env(), capture_output=True, text=True, timeout=60, check=True,
+    )
+    bf16_row = next(line for line in result.stdout.splitlines() if "| bf16 |" in line)
+    assert bf16_row.rstrip(" |").endswith("| 21.4 | 5.3")
