@@ -128,6 +128,19 @@ def test_projection_generator_imports_only_torch_and_the_standard_library():
                for m in _imports(PACKAGE / "projection.py"))
 
 
+SYNC_MAY_IMPORT = ("megatron_logra.sync", "megatron_logra.projection", "megatron_logra.sketch",
+                   "megatron_logra.memory.shapes")
+
+
+@pytest.mark.parametrize("path", sorted((PACKAGE / "sync").glob("*.py")), ids=lambda p: p.stem)
+def test_sync_package_imports_no_megatron_and_only_what_an_engine_process_can_load(path):
+    """The rollout engine (another process, another venv) loads the sync package on its own."""
+    imported = _imports(path)
+    assert not [m for m in imported if _is_megatron(m)]
+    ours = [m for m in imported if m.startswith("megatron_logra")]
+    assert all(m.startswith(SYNC_MAY_IMPORT) for m in ours), ours
+
+
 def test_config_choice_names_match_their_implementations():
     from megatron_logra import config, direction, projection
     from megatron_logra.rl import rewards

@@ -29,7 +29,7 @@ direction rule had already advanced: no weight and no optimizer state was change
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -43,13 +43,18 @@ from megatron_logra.finite_check import agreed_flags, local_finite
 from megatron_logra.logra_mode import LoGRAMode
 from megatron_logra.master_weights import RowShardedMaster
 from megatron_logra.mcore.models.targets import SketchTarget
-from megatron_logra.mcore.optimizer.logra_state import load_sharded_state, sharded_state_dict
+from megatron_logra.mcore.optimizer.logra_state import (
+    global_row_ranges,
+    load_sharded_state,
+    sharded_state_dict,
+)
 from megatron_logra.mcore.process_groups import ParallelGroups
 from megatron_logra.mcore.tensor_parallel.sketched_linear import LayerSketch
 from megatron_logra.projection import generate_projection, projection_key
 from megatron_logra.sketch import apply_low_rank_update_, reconstructed_sq_norm
 from megatron_logra.sketch_buffer import FlatSketchBuffer, SketchSlot
 from megatron_logra.step_scale import ProposedUpdate, StepScale
+from megatron_logra.sync.records import FactorPiece, LowRankUpdate
 
 
 class _TargetParamGroups(torch.optim.Optimizer):
@@ -90,6 +95,9 @@ class LoGRAOptimizer(MegatronOptimizer):
             weight decay and clip_grad come from it and from the scheduler).
         groups: process groups of this rank.
         step_scale: chooses the scale of each prepared update (None: scale 1).
+        update_listener: receives, after every applied update, one record per target of what
+            this rank merged (its factor rows, the merge's scalars, the projection's seed): the
+            trainer side of low-rank policy sync (:mod:`megatron_logra.sync`). None: no records.
     """
 
     def __init__(
@@ -101,6 +109,7 @@ class LoGRAOptimizer(MegatronOptimizer):
         config: MegatronOptimizerConfig,
         groups: ParallelGroups,
         step_scale: StepScale | None = None,
+        update_listener: Callable[[list[LowRankUpdate]], None] | None = None,
     ) -> None:
         if not targets:
             raise ValueError("LoGRAOptimizer needs at least one target on this rank")
@@ -126,6 +135,7 @@ class LoGRAOptimizer(MegatronOptimizer):
         self.logra = logra
         self.mode = mode
         self.step_scale = step_scale
+        self.update_listener = update_listener
         self.groups = groups
         self.update_count = 0
         self.compute_dtype = weight_dtype
@@ -481,9 +491,12 @@ class LoGRAOptimizer(MegatronOptimizer):
             self._check_factors(scale)
         _, factors = self._checked
         _, weight_decay = self._step_size()
+        records: list[LowRankUpdate] = []
         for target, (direction, step_lr) in zip(self.targets, factors, strict=True):
             projection = self.projection_of(target)
             master = self.masters.get(target.layer_key)
+            if self.update_listener is not None:
+                records.append(self._sync_record(target, direction, step_lr, weight_decay))
             # (1 - step_lr * wd) with step_lr = scale * lr: the decay is scaled with the step
             # (paper mode has no decay, and its scale is folded into the rounded factor).
             if master is None:
@@ -500,6 +513,22 @@ class LoGRAOptimizer(MegatronOptimizer):
         self._checked = None
         if self.logra.refresh:
             self.refresh_projections()
+        if self.update_listener is not None:
+            self.update_listener(records)
+
+    def _sync_record(self, target: SketchTarget, factor_OR: torch.Tensor, step_lr: float,
+                     weight_decay: float) -> LowRankUpdate:
+        """What this rank merges into ``target`` in the current update, for policy sync."""
+        piece = FactorPiece(global_row_ranges(self, target), target.col_start, target.col_end,
+                            factor_OR.detach().clone())  # the sketch buffer is reused
+        return LowRankUpdate(
+            layer_key=target.layer_key, update_count=self.update_count + 1,
+            seed=self.logra.seed, projection_count=self.update_count if self.logra.refresh else 0,
+            distribution=self.logra.distribution, sketch_rank=self.sketch_rank_of(target),
+            in_features=target.in_features,
+            projection_dtype=str(self.compute_dtype).removeprefix("torch."),
+            lr=step_lr, weight_decay=weight_decay, pieces=(piece,),
+        )
 
     @torch.no_grad()
     def step_with_ready_grads(self) -> bool:

@@ -70,6 +70,14 @@ def _row_fragments(optimizer: LoGRAOptimizer, target: SketchTarget) -> list[tupl
     ]
 
 
+def global_row_ranges(optimizer: LoGRAOptimizer, target: SketchTarget) -> tuple[tuple[int, int], ...]:
+    """The rows of the full (TP=1) weight this rank's owned rows are, in their local order
+    (policy sync ships factor rows at these global rows)."""
+    chunk = optimizer.sketches.shards[target.layer_key].chunk_rows
+    return tuple((index * chunk, (index + 1) * chunk)
+                 for _, index, _ in _row_fragments(optimizer, target))
+
+
 def row_moment(optimizer: LoGRAOptimizer, layer_key: str) -> torch.Tensor | None:
     """This rank's RowAdam moments of a layer (None for directions without row state)."""
     if isinstance(optimizer.direction, RowAdamDirection):
