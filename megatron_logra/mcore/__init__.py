@@ -22,6 +22,11 @@ Grouped the way Megatron-Core groups its own code:
 The names below are the API the trainers (``megatron_logra.train``) use.
 """
 
+# isort: off
+# First, before anything imports megatron.core: without CUDA its fused helpers stay eager.
+from megatron_logra.mcore.compat import eager_fusions  # noqa: F401
+# isort: on
+
 from megatron_logra.mcore.checkpointing.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
