@@ -25,7 +25,7 @@ PACKAGE = REPO / "megatron_logra"
 # Pure math: tensors and explicit process groups in, tensors out.
 MATH_MODULES: tuple[str, ...] = (
     "projection", "sketch", "sketch_buffer", "row_adam", "row_adam_paper", "direction", "kl",
-    "controller", "master_weights", "row_sharding", "step_scale", "logra_mode",
+    "controller", "master_weights", "row_sharding", "step_scale", "logra_mode", "bf16_remainder",
     "rl/advantages", "rl/losses", "rl/pass_at_k", "rl/presets",
 )
 # What a math module may import of ours: other math modules and the config schema (names and
