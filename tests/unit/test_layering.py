@@ -129,9 +129,10 @@ def test_projection_generator_imports_only_torch_and_the_standard_library():
 
 
 def test_config_choice_names_match_their_implementations():
-    from megatron_logra import config, direction, projection
+    from megatron_logra import config, direction, master_weights, projection
     from megatron_logra.rl import rewards
 
     assert config.DISTRIBUTIONS == projection.DISTRIBUTIONS
     assert set(config.REWARDS) == set(rewards._REWARD_CLASSES)
     assert set(config.DIRECTIONS) == set(direction.DIRECTION_RULES)
+    assert set(config.MASTER_WEIGHTS) == {"auto", *master_weights.MASTER_MODE_NAMES}
