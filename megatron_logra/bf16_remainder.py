@@ -18,8 +18,8 @@ mode rounds with :func:`round_to_bf16` so that all of them give the same bf16 we
 Exact for every fp32 pattern that is not a NaN: normal and subnormal values, both zeros,
 infinities, and values whose rounding carries into the next binade (``0x3F7FFFFF`` rounds to
 ``1.0``; the largest finite values round to infinity, their remainder holding the way back). A
-NaN rounds to a NaN and comes back as a NaN (not necessarily the same one). Integer arithmetic on int32 views only, no float operation: the result
-is the same on every device.
+NaN rounds to a NaN and comes back as a NaN (not necessarily the same one). Integer arithmetic
+on int32 views and exact casts only: the result is the same on every device.
 
 Shapes: any; ``hi`` and ``remainder`` have the shape of ``x``.
 """
@@ -28,33 +28,34 @@ from __future__ import annotations
 
 import torch
 
-_SIGN = -(2**31)
-"""The sign bit of an int32 pattern (0x80000000 as a signed int32)."""
-_MAGNITUDE = 2**31 - 1
 _HALF_ULP = 2**15
 """Half a bf16 unit in the last place, in the fp32 pattern's low half."""
 _HIGH_HALF = -(2**16)
 """Mask of the top 16 bits (0xFFFF0000 as a signed int32)."""
-_INFINITY = 0x7F800000
-"""The magnitude of an infinity; every larger magnitude is a NaN."""
-_QUIET_NAN = 0x7FC00000
 
 
 def _rounded_pattern(bits: torch.Tensor) -> torch.Tensor:
-    """The fp32 pattern of the bf16 rounding (to nearest, ties away from zero)."""
-    # The clamp touches only NaNs (and keeps the addition below from overflowing int32); a NaN
-    # rounds to a quiet NaN, not to the infinity its pattern would round down to.
-    magnitude = (bits & _MAGNITUDE).clamp_max_(_INFINITY + 1)
-    rounded = torch.where(magnitude > _INFINITY, _QUIET_NAN, (magnitude + _HALF_ULP) & _HIGH_HALF)
-    return (bits & _SIGN) | rounded
+    """The fp32 pattern of the bf16 rounding (to nearest, ties away from zero) of a non-NaN.
+
+    Adding half an ulp to the whole pattern rounds the magnitude (the low 31 bits) up from a
+    low half of 0x8000; it never carries into the sign bit below magnitude 0x7FFF8000, and
+    every non-NaN magnitude is at most 0x7F800000 (infinity). NaNs are the callers' business.
+    """
+    return (bits + _HALF_ULP) & _HIGH_HALF
+
+
+def _bf16_of(rounded: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The bf16 of a rounded pattern (an exact cast: its low half is zero); a NaN ``x`` gives a
+    NaN (its pattern may have rounded down to an infinity or wrapped around)."""
+    return rounded.view(torch.float32).to(torch.bfloat16).masked_fill_(torch.isnan(x),
+                                                                        float("nan"))
 
 
 def round_to_bf16(x: torch.Tensor) -> torch.Tensor:
     """``x`` (fp32) rounded to bf16: to nearest, ties away from zero (module docstring)."""
     if x.dtype != torch.float32:
         raise RuntimeError(f"round_to_bf16 takes float32, got {x.dtype}")
-    # The rounded pattern has a zero low half, so this cast is exact.
-    return _rounded_pattern(x.view(torch.int32)).view(torch.float32).to(torch.bfloat16)
+    return _bf16_of(_rounded_pattern(x.view(torch.int32)), x)
 
 
 def split_bf16_remainder(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,9 +64,10 @@ def split_bf16_remainder(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise RuntimeError(f"split_bf16_remainder takes float32, got {x.dtype}")
     bits = x.view(torch.int32)
     rounded = _rounded_pattern(bits)
-    # In [-2^15, 2^15 - 1]: a pattern rounds up only from a low half of at least 2^15.
+    # In [-2^15, 2^15 - 1]: a pattern rounds up only from a low half of at least 2^15. (For a
+    # NaN the remainder is arbitrary; added to the NaN hi it still gives a NaN pattern.)
     remainder = (bits - rounded).to(torch.int16)
-    return rounded.view(torch.float32).to(torch.bfloat16), remainder
+    return _bf16_of(rounded, x), remainder
 
 
 def combine_bf16_remainder(hi: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
