@@ -5,7 +5,8 @@ halves beside the bf16 weight) and ``host`` (fp32 rows in host memory, merged in
 compute the same fp32 update of the same rows and round it the same way, so at TP=2 x DP=2 over
 20 steps their losses and weights are *bit-identical*, not merely close. Their checkpoints hold
 fp32 rows in every mode, so a run saved in one mode resumes in another on the same trajectory:
-here dp_sharded -> remainder and remainder -> host, each switching after step 10. The
+here dp_sharded -> remainder and remainder -> host, each resuming the step-10 checkpoint of the
+20-step run of the first mode (four 4-process jobs in all, the last two of 10 steps). The
 per-rank state shows each store's device bytes (4, 2 and 0 per owned target element) and the
 host store's bytes counted apart.
 """
@@ -55,12 +56,14 @@ def runs(tmp_path_factory, synthetic_data_dir) -> CliRuns:
 
 
 def _run(runs: CliRuns, mode: str) -> Path:
-    return runs.run(mode, PROCESSES, MODES[mode])
+    """The 20-step run of a mode, checkpointed at step 10 (and at the end)."""
+    return runs.run(mode, PROCESSES, [*MODES[mode], f"checkpoint.interval={SWITCH_AFTER}"],
+                    checkpointed=True)
 
 
 def _switched(runs: CliRuns, first: str, second: str) -> Path:
-    return runs.resumed(f"{first}_then_{second}", (PROCESSES, MODES[first]),
-                        (PROCESSES, MODES[second]), stop_after=SWITCH_AFTER)
+    _run(runs, first)
+    return runs.forked(f"{first}_then_{second}", first, SWITCH_AFTER, (PROCESSES, MODES[second]))
 
 
 def _assert_bit_identical(candidate: Path, reference: Path) -> None:
@@ -74,14 +77,15 @@ def _assert_bit_identical(candidate: Path, reference: Path) -> None:
     assert not differing, differing
 
 
-@pytest.mark.parametrize("mode", ["remainder", "host"])
-def test_master_store_trains_bit_identically_to_fp32_device_masters(mode, runs):
-    _assert_bit_identical(_run(runs, mode), _run(runs, "dp_sharded"))
+def test_remainder_master_trains_bit_identically_to_fp32_device_masters(runs):
+    _assert_bit_identical(_run(runs, "remainder"), _run(runs, "dp_sharded"))
 
 
 @pytest.mark.parametrize(("first", "second"), [("dp_sharded", "remainder"),
                                                ("remainder", "host")])
 def test_checkpoint_of_one_master_store_resumes_bit_identically_in_another(first, second, runs):
+    """Steps 11-20 in ``second`` from ``first``'s checkpoint: for ``host`` also its whole
+    bit-identity claim (10 merges of chunked host masters)."""
     _assert_bit_identical(_switched(runs, first, second), _run(runs, "dp_sharded"))
 
 
@@ -95,7 +99,10 @@ def test_stores_keep_4_2_and_0_device_bytes_per_owned_target_element(runs):
                         if name.endswith(TARGET_SUFFIXES))
     # Every rank owns 1/(TP * DP) of the target elements (each TP shard's rows split over DP).
     owned = target_params // PROCESSES
-    per_mode = {mode: _per_rank_state_bytes(_run(runs, mode)) for mode in MODES}
+    host_run = _switched(runs, "remainder", "host")
+    per_mode = {"dp_sharded": _per_rank_state_bytes(_run(runs, "dp_sharded")),
+                "remainder": _per_rank_state_bytes(_run(runs, "remainder")),
+                "host": _per_rank_state_bytes(host_run)}
     for rank in range(PROCESSES):
         fp32, remainder, host = (per_mode[m][rank] for m in ("dp_sharded", "remainder", "host"))
         assert fp32["optimizer_state"] - remainder["optimizer_state"] == 2 * owned
@@ -106,6 +113,7 @@ def test_stores_keep_4_2_and_0_device_bytes_per_owned_target_element(runs):
 
 
 def test_every_step_reports_its_merge_time_beside_the_step_time(runs):
-    for mode in MODES:
-        for record in read_metrics(_run(runs, mode) / "metrics.jsonl"):
-            assert 0.0 < record["master_merge_time_s"] < record["step_time_s"], (mode, record)
+    for run in (_run(runs, "dp_sharded"), _run(runs, "remainder"),
+                _switched(runs, "remainder", "host")):
+        for record in read_metrics(run / "metrics.jsonl"):
+            assert 0.0 < record["master_merge_time_s"] < record["step_time_s"], (run, record)
