@@ -116,7 +116,6 @@ class LoGRAOptimizer(MegatronOptimizer):
         self.master_weights = master_weights_mode(
             logra.master_weights, weight_dtype, merge_chunk_mib=logra.merge_chunk_mib
         )
-        self.master_mode = self.master_weights.name
         holder = _TargetParamGroups(
             [t.weight for t in targets], lr=config.lr, weight_decay=config.weight_decay
         )
