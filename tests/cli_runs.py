@@ -11,6 +11,7 @@ that needs it fails with the job's output.
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 
 from megatron_logra.train.metrics import read_metrics
+from megatron_logra.train.run_files import METRICS_FILE
 from tests.layouts import Layout
 from tests.torchrun import run_torchrun, torchrun_command
 
@@ -75,6 +77,25 @@ class CliRuns:
 
         settings = ("resumed", first[0], tuple(first[1]), second[0], tuple(second[1]), stop_after)
         return self._once(name, settings, launch)
+
+    def forked(self, name: str, source: str, at_step: int, second: Layout) -> Path:
+        """Run ``source``'s checkpoint of step ``at_step`` (a copy) resumed at ``second`` to the
+        end: the same as :meth:`resumed` without running the first part again, when ``source``
+        was run ``checkpointed`` with a ``checkpoint.interval`` that saves ``at_step``. The run
+        directory starts with ``source``'s metrics, of which the resume keeps steps up to
+        ``at_step``."""
+
+        def launch() -> None:
+            from megatron_logra.mcore.checkpointing.checkpoint import checkpoint_name
+
+            step_dir = checkpoint_name(at_step)
+            ckpt, run_dir = self.checkpoint_dir(name), self.root / name
+            shutil.copytree(self.checkpoint_dir(source) / step_dir, ckpt / step_dir)
+            run_dir.mkdir(parents=True)
+            shutil.copy(self.root / source / METRICS_FILE, run_dir / METRICS_FILE)
+            self.launch(second[0], [*second[1], "checkpoint.resume=true"], run_dir, ckpt)
+
+        return self._once(name, ("forked", source, at_step, second[0], tuple(second[1])), launch)
 
     def _once(self, name: str, settings: tuple, launch: Callable[[], object]) -> Path:
         if name in self._launched:

@@ -30,6 +30,7 @@ from megatron_logra.memory.estimate import (
 )
 from megatron_logra.memory.shapes import (
     GIB,
+    LOGRA_PRECISION_OF_MASTER_WEIGHTS,
     LOGRA_PRECISIONS,
     NON_TARGET_TRAINING,
     PRECISIONS,
@@ -81,8 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     meth.add_argument("--precision", choices=PRECISIONS,
                       help="dense Adam and LoRA (default: bf16 for presets, fp32 for --config)")
     meth.add_argument("--logra-precision", choices=LOGRA_PRECISIONS,
-                      help="default: bf16_sharded_master for presets; for --config, "
-                           "bf16_sharded_master when model.params_dtype=bf16, else fp32")
+                      help="default: bf16_sharded_master for presets; for --config, the "
+                           "config's logra.master_weights (auto: bf16_sharded_master when "
+                           "model.params_dtype=bf16, else fp32)")
     meth.add_argument("--logra-non-targets", choices=NON_TARGET_TRAINING,
                       help="adam: library mode (default); frozen: the paper's mode")
     meth.add_argument("--sketch-rank", type=int, help="default 256 (--config: logra.sketch_rank)")
@@ -138,13 +140,19 @@ def _config_defaults(args: argparse.Namespace) -> tuple[ModelShape, dict[str, An
         precision=cfg.model.params_dtype,
         lora_rank=cfg.logra.sketch_rank,
         sketch_rank=cfg.logra.sketch_rank,
-        # bf16 parameters train through fp32 masters sharded over DP (logra.master_weights=auto).
-        logra_precision="bf16_sharded_master" if cfg.model.params_dtype == "bf16" else "fp32",
+        logra_precision=LOGRA_PRECISION_OF_MASTER_WEIGHTS[_master_weights(cfg)],
         # Paper mode freezes everything but the targets.
         logra_non_targets="frozen" if cfg.logra.mode == "paper" else "adam",
         targets=tuple(cfg.logra.targets),
     )
     return shape, layout, settings
+
+
+def _master_weights(cfg: Any) -> str:
+    """The config's ``logra.master_weights``, ``auto`` resolved as the trainer resolves it."""
+    if cfg.logra.master_weights != "auto":
+        return cfg.logra.master_weights
+    return "dp_sharded" if cfg.model.params_dtype == "bf16" else "none"
 
 
 def resolve(args: argparse.Namespace) -> Request:
@@ -271,6 +279,9 @@ def format_table(request: Request, data: dict[str, Any]) -> str:
     label = f"fits on {data['gpus']} x {data['gpu_mem_gib']:g} GiB"
     lines.append(f"{label:<36}" + "".join(f"{answer[data['methods'][n]['fits']]:>12}"
                                           for n in names))
+    host = data["methods"]["logra"]["host_optimizer_state_bytes"]
+    if host:
+        lines.append(f"{'LoGRA host memory (masters)':<36}{'':>24}{host / scale:>12.3f}")
     ratios = data["ratios"]
     lines.append("")
     lines.append(f"LoGRA / dense Adam: {ratios['logra_over_dense_adam']:.3f} "

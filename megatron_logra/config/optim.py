@@ -27,7 +27,11 @@ DISTRIBUTIONS: tuple[str, ...] = ("rademacher", "gaussian", "identity")
 must import nothing else of ours (the rollout engine loads it on its own); a unit test keeps
 the two equal."""
 UPDATE_FACTOR_DTYPES: tuple[str, ...] = ("bf16", "fp32")
-MASTER_WEIGHTS: tuple[str, ...] = ("auto", "none", "dp_sharded")
+MASTER_WEIGHTS: tuple[str, ...] = ("auto", "none", "dp_sharded", "remainder", "host")
+"""megatron_logra.master_weights maps each name (but ``auto``) to its master store."""
+LOW_PRECISION_MASTERS: tuple[str, ...] = ("dp_sharded", "remainder", "host")
+"""The modes that keep exact masters of bf16 weights."""
+DEFAULT_MERGE_CHUNK_MIB = 64.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,9 +118,15 @@ class LoGRAConfig:
     refresh: bool = True
     """Redraw the projections after every update (with false, A never changes)."""
     master_weights: str = "auto"
-    """Precision of the sketched weights' updates: ``none`` (fp32 weights are their own masters),
-    ``dp_sharded`` (bf16 weights, fp32 master rows sharded over data parallelism), ``auto``
-    (picked from model.params_dtype)."""
+    """Where the exact masters of the sketched weights live: ``none`` (fp32 weights are their
+    own masters), and for bf16 weights, by whole rows sharded over data parallelism:
+    ``dp_sharded`` (fp32 rows on the device, 4/dp B per target parameter), ``remainder`` (the
+    int16 low halves only, the bf16 weight being the high half: 2/dp B, bit-identical results),
+    ``host`` (fp32 rows in pinned host memory, streamed through the device at the merge: ~0 B,
+    bit-identical results, a copy per step); ``auto``: none for fp32, dp_sharded for bf16."""
+    merge_chunk_mib: float = DEFAULT_MERGE_CHUNK_MIB
+    """master_weights=host: MiB of fp32 master rows per chunk streamed through the device at the
+    merge (two chunks are staged on the device at a time)."""
     beta2: float = 0.95
     eps: float = 1e-8
     targets: list[str] = field(default_factory=lambda: list(TARGET_NAMES))
@@ -143,6 +153,13 @@ class LoGRAConfig:
             )
         check_choice(f"{path}.native_optimizer", self.native_optimizer, NATIVE_OPTIMIZERS)
         check_choice(f"{path}.master_weights", self.master_weights, MASTER_WEIGHTS)
+        check_positive(f"{path}.merge_chunk_mib", self.merge_chunk_mib)
+        if self.master_weights != "host" and self.merge_chunk_mib != DEFAULT_MERGE_CHUNK_MIB:
+            raise ValueError(
+                f"{path}.merge_chunk_mib={self.merge_chunk_mib} sizes the chunks of host "
+                f"masters; with {path}.master_weights={self.master_weights} it would do nothing: "
+                f"set {path}.master_weights=host or drop the override"
+            )
         check_positive(f"{path}.sketch_rank", self.sketch_rank)
         check_positive(f"{path}.seed", self.seed, allow_zero=True)
         check_fraction(f"{path}.beta2", self.beta2, closed="low")

@@ -8,7 +8,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_logra.config.model import ModelConfig, ParallelConfig
-from megatron_logra.config.optim import LoGRAConfig, LoRAConfig, OptimizerConfig
+from megatron_logra.config.optim import (
+    LOW_PRECISION_MASTERS,
+    LoGRAConfig,
+    LoRAConfig,
+    OptimizerConfig,
+)
 from megatron_logra.config.rl import RLConfig
 from megatron_logra.config.run import CheckpointConfig, DataConfig, RunConfig, TrainConfig
 
@@ -78,11 +83,12 @@ class Config:
                 "model.attention=sdpa or disable logra.kl_control"
             )
         master = self.logra.master_weights
-        if (master, m.params_dtype) in (("none", "bf16"), ("dp_sharded", "fp32")):
+        if (master == "none" and m.params_dtype == "bf16") or (
+                master in LOW_PRECISION_MASTERS and m.params_dtype == "fp32"):
             raise ValueError(
                 f"logra.master_weights={master} does not fit model.params_dtype={m.params_dtype}: "
-                "fp32 weights are their own masters (none), bf16 weights need fp32 masters "
-                "(dp_sharded); use logra.master_weights=auto"
+                "fp32 weights are their own masters (none), bf16 weights need exact masters "
+                f"({', '.join(LOW_PRECISION_MASTERS)}); use logra.master_weights=auto"
             )
         stages = p.pp * (p.vpp or 1)
         if m.num_layers % stages:

@@ -46,7 +46,11 @@ from megatron_logra.mcore.models.gpt import build_model_chunks
 from megatron_logra.mcore.process_groups import ParallelGroups, destroy_parallel, init_parallel
 from megatron_logra.mcore.training.forward_backward import forward_backward
 from megatron_logra.mcore.training.setup import TrainingSetup, setup_training
-from megatron_logra.mcore.training.state_bytes import gather_state_bytes, write_state_bytes
+from megatron_logra.mcore.training.state_bytes import (
+    gather_state_bytes,
+    state_bytes_totals,
+    write_state_bytes,
+)
 from megatron_logra.mcore.training.step import StepResult, train_step
 
 __all__ = [
@@ -56,5 +60,5 @@ __all__ = [
     "latest_checkpoint", "load_checkpoint", "load_model_weights", "remove_stale_staging",
     "save_checkpoint",
     "save_model_checkpoint", "save_tensors_atomically", "setup_training",
-    "token_logprobs_from_logits", "train_step", "write_state_bytes",
+    "state_bytes_totals", "token_logprobs_from_logits", "train_step", "write_state_bytes",
 ]

@@ -35,7 +35,8 @@ dense Adam, fp32           4        4      8 (m + v; the params are the masters)
 LoRA base (frozen)         2 or 4   --     --
 LoRA adapters              like dense Adam in the same precision
 LoGRA target, fp32         4        --     --
-LoGRA target, bf16 shard   2        --     4/dp (fp32 master shard)
+LoGRA target, bf16 shard   2        --     4/dp (fp32 master shard), 2/dp (int16 remainders),
+                                            or 0 (fp32 master shard in host memory: 4/dp)
 LoGRA non-target           like dense Adam ("library" mode), or weights only ("frozen")
 =========================  =======  =====  ==========================================
 
@@ -69,6 +70,8 @@ from megatron_logra.memory.shapes import (
     BF16_BYTES,
     FP32_BYTES,
     GIB,
+    LOGRA_MASTER_GPU_BYTES,
+    LOGRA_PRECISION_OF_MASTER_WEIGHTS,
     LOGRA_PRECISIONS,
     NON_TARGET_TRAINING,
     PRECISIONS,
@@ -86,7 +89,7 @@ from megatron_logra.memory.shapes import (
 )
 
 __all__ = [
-    "GIB", "LINEAR_MODES", "LOGRA_PRECISIONS", "NON_TARGET_TRAINING", "PRECISIONS", "PRESETS",
+    "GIB", "LINEAR_MODES", "LOGRA_PRECISION_OF_MASTER_WEIGHTS", "LOGRA_PRECISIONS", "NON_TARGET_TRAINING", "PRECISIONS", "PRESETS",
     "RECOMPUTE_MODES", "TARGET_LINEARS", "ActivationBreakdown", "Layout", "MegatronFormula",
     "MemoryBreakdown", "MethodSettings", "ModelShape", "StageParameters", "TargetLinear",
     "dense_adam_memory", "estimate_all", "fits", "layer_activation_terms", "logra_memory",
@@ -110,6 +113,8 @@ class MemoryBreakdown:
     sketches: float
     projections: float
     activations: float
+    host_optimizer_state: float = 0.0
+    """Beside the GPU, in host memory (LoGRA's host masters): not in any GPU total."""
 
     CATEGORIES = ("weights", "gradients", "optimizer_state", "sketches", "projections",
                   "activations")
@@ -132,6 +137,7 @@ class MemoryBreakdown:
             out[f"{name}_gib"] = getattr(self, name) / GIB
         for name in (*self.CATEGORIES, "persistent", "total"):
             out[f"{name}_bytes"] = round(getattr(self, name))
+        out["host_optimizer_state_bytes"] = round(self.host_optimizer_state)
         return out
 
 
@@ -279,9 +285,12 @@ def logra_memory(
     """Sketched ``targets``; the rest trained by Megatron's Adam (library mode) or frozen.
 
     ``fp32``: fp32 params everywhere, each DP rank keeps the full sketch and row moments.
-    ``bf16_sharded_master``: bf16 params; each DP rank keeps fp32 masters and row moments for
-    its 1/dp share of target rows. Non-target parameters follow Megatron's Adam in the same
-    precision (bf16 with fp32 grads and state; fp32).
+    ``bf16_*``: bf16 params; each DP rank keeps exact masters and row moments for its 1/dp share
+    of target rows, the masters as fp32 on the GPU (``bf16_sharded_master``), as int16
+    remainders on the GPU (``bf16_remainder``) or as fp32 in host memory (``bf16_host_master``,
+    whose chunked merge stages ``2 * logra.merge_chunk_mib`` transiently, not counted).
+    Non-target parameters follow Megatron's Adam in the same precision (bf16 with fp32 grads
+    and state; fp32).
     """
     check_choice("precision", precision, LOGRA_PRECISIONS)
     check_choice("non_targets", non_targets, NON_TARGET_TRAINING)
@@ -289,7 +298,7 @@ def logra_memory(
     check_positive_int("sketch_rank", sketch_rank, "use the sketch rank, e.g. 256")
     params = stage_parameters(shape, layout, targets)
     rows, cols = _target_sums(shape, layout, targets)
-    sharded = precision == "bf16_sharded_master"
+    sharded = precision != "fp32"
     adam_precision = "bf16" if sharded else "fp32"
     e = element_bytes(adam_precision)
     if non_targets == "adam":
@@ -299,8 +308,8 @@ def logra_memory(
         weights, grads, state = e * params.non_targets, 0.0, 0.0
     weights += e * params.targets
     shard = layout.dp if sharded else 1
-    if sharded:
-        state += FP32_BYTES * params.targets / shard  # fp32 master shard
+    state += LOGRA_MASTER_GPU_BYTES[precision] * params.targets / shard  # master shard
+    host = FP32_BYTES * params.targets / shard if precision == "bf16_host_master" else 0.0
     state += FP32_BYTES * rows / shard  # RowAdam second moment, one per output row
     sketches = FP32_BYTES * rows * sketch_rank  # full buffer: accumulated before any reduction
     projections = FP32_BYTES * sketch_rank * cols
@@ -311,7 +320,7 @@ def logra_memory(
         embedding_trained=non_targets == "adam", output_layer_trained=non_targets == "adam",
     )
     return MemoryBreakdown("logra", precision, weights, grads, state, sketches, projections,
-                           activations.total)
+                           activations.total, host_optimizer_state=host)
 
 
 # ----------------------------------------------------------------------------- Megatron's formula

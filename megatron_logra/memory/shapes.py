@@ -25,7 +25,21 @@ RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
 PRECISIONS: tuple[str, ...] = ("bf16", "fp32")
 """Dense Adam and LoRA: ``bf16`` is Megatron mixed precision (bf16 params and activations, fp32
 grads and optimizer state); ``fp32`` keeps params and activations in fp32 (our CPU runs)."""
-LOGRA_PRECISIONS: tuple[str, ...] = ("fp32", "bf16_sharded_master")
+LOGRA_PRECISIONS: tuple[str, ...] = (
+    "fp32", "bf16_sharded_master", "bf16_remainder", "bf16_host_master",
+)
+"""LoGRA's target weights: fp32 (their own masters), or bf16 with exact masters of each DP
+rank's 1/dp share of rows (logra.master_weights): fp32 rows on the GPU (``dp_sharded``), int16
+remainders on the GPU (``remainder``), fp32 rows in host memory (``host``)."""
+LOGRA_PRECISION_OF_MASTER_WEIGHTS: dict[str, str] = {
+    "none": "fp32", "dp_sharded": "bf16_sharded_master", "remainder": "bf16_remainder",
+    "host": "bf16_host_master",
+}
+"""The estimate of each (resolved) ``logra.master_weights``."""
+LOGRA_MASTER_GPU_BYTES: dict[str, int] = {
+    "fp32": 0, "bf16_sharded_master": 4, "bf16_remainder": 2, "bf16_host_master": 0,
+}
+"""GPU bytes of master per owned target element (fp32 weights are their own masters)."""
 NON_TARGET_TRAINING: tuple[str, ...] = ("adam", "frozen")
 """LoGRA's non-target parameters: trained by Megatron's Adam (``library`` mode) or frozen (the
 paper's mode)."""

@@ -39,6 +39,7 @@ from megatron_logra.mcore import (
     save_checkpoint,
     save_model_checkpoint,
     save_tensors_atomically,
+    state_bytes_totals,
     write_state_bytes,
 )
 from megatron_logra.train.metric_sinks import metric_sinks
@@ -146,7 +147,7 @@ def _run(cfg: Config, groups: ParallelGroups, job: Job) -> dict[str, Any]:
             if state_bytes is None:
                 # After the first step: Adam allocates its moments lazily.
                 state_bytes = gather_state_bytes(job.setup, groups)
-                record["state_bytes"] = sum(sum(rank.values()) for rank in state_bytes)
+                record.update(state_bytes_totals(state_bytes))
             completed = step + 1
             record.update(job.after_step(completed))
             if is_rank0:

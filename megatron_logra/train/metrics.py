@@ -53,6 +53,7 @@ _FIELD_FORMATS: dict[str, Callable[[Any], str]] = {
     "lr": lambda value: f"lr {value:.2e}",
     "tokens_per_s": lambda value: f"tok/s {value:,.0f}",
     "step_time_s": lambda value: f"{value:.3f} s",
+    "master_merge_time_s": lambda value: f"merge {value:.3f} s",
     "mem_bytes": lambda value: f"mem {value / _MIB:,.0f} MiB",
     "kl_predicted_scaled": lambda value: f"kl_pred {value:.2e}",
     "kl_realized": lambda value: f"kl_real {value:.2e}",
@@ -73,7 +74,7 @@ def _format_field(key: str, value: Any) -> str | None:
 # Fields shown on the console line, in this order; everything else goes only to JSONL.
 CONSOLE_FIELDS: tuple[str, ...] = (
     "loss", "reward", "accuracy", "grad_norm", "lr", "kl_predicted_scaled", "kl_realized",
-    "alpha", "tokens_per_s", "step_time_s", "mem_bytes",
+    "alpha", "tokens_per_s", "step_time_s", "master_merge_time_s", "mem_bytes",
 )
 
 

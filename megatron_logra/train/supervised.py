@@ -121,7 +121,7 @@ class SupervisedJob:
             "mem_bytes": memory_bytes(groups.device),
         }
         if setup.logra is not None:
-            record["logra_update_count"] = setup.logra.update_count
+            record.update(setup.logra.update_metrics())
             record.update(step_metrics)
         if control is not None:
             record.update(control.metrics(control.realised()))

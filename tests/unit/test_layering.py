@@ -26,6 +26,7 @@ PACKAGE = REPO / "megatron_logra"
 MATH_MODULES: tuple[str, ...] = (
     "projection", "sketch", "sketch_buffer", "row_adam", "row_adam_paper", "direction", "kl",
     "controller", "master_weights", "row_sharding", "step_scale", "logra_mode", "finite_check",
+    "bf16_remainder",
     "rl/advantages", "rl/losses", "rl/pass_at_k", "rl/presets",
 )
 # What a math module may import of ours: other math modules and the config schema (names and
@@ -142,9 +143,10 @@ def test_sync_package_imports_no_megatron_and_only_what_an_engine_process_can_lo
 
 
 def test_config_choice_names_match_their_implementations():
-    from megatron_logra import config, direction, projection
+    from megatron_logra import config, direction, master_weights, projection
     from megatron_logra.rl import rewards
 
     assert config.DISTRIBUTIONS == projection.DISTRIBUTIONS
     assert set(config.REWARDS) == set(rewards._REWARD_CLASSES)
     assert set(config.DIRECTIONS) == set(direction.DIRECTION_RULES)
+    assert set(config.MASTER_WEIGHTS) == {"auto", *master_weights.MASTER_MODE_NAMES}

@@ -1,11 +1,18 @@
-"""Row-sharded fp32 masters and the DP-sharded sketch layout (single process, no collectives)."""
+"""Row-sharded exact masters (fp32 on the device, int16 remainders, fp32 on the host) and the
+DP-sharded sketch layout (single process, no collectives)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from megatron_logra.master_weights import RowShardedMaster
+from megatron_logra.bf16_remainder import round_to_bf16
+from megatron_logra.master_weights import (
+    HostMaster,
+    RemainderMaster,
+    RowShardedMaster,
+    master_weights_mode,
+)
 from megatron_logra.row_sharding import RowShard
 from megatron_logra.sketch import apply_low_rank_update_
 from megatron_logra.sketch_buffer import FlatSketchBuffer, SketchSlot
@@ -104,3 +111,75 @@ def test_bf16_weight_keeps_updates_of_1e4_relative_size_through_the_fp32_master(
     assert float((weight.float() - reference).abs().max()) <= BF16_EPS * float(
         reference.abs().max()
     )
+
+
+def _three_masters(weight_rows: int = 16, cols: int = 24, *, host_chunk_rows: int = 3):
+    """One bf16 start weight, three copies, one master store each (two stride blocks)."""
+    generator = torch.Generator().manual_seed(2)
+    start = torch.randn(weight_rows, cols, generator=generator).to(torch.bfloat16)
+    shard = RowShard(weight_rows, stride=2, dp_size=1, dp_rank=0)
+    weights = [start.clone() for _ in range(3)]
+    masters = [RowShardedMaster(weights[0], shard), RemainderMaster(weights[1], shard),
+               HostMaster(weights[2], shard, chunk_rows=host_chunk_rows)]
+    return weights, masters, generator
+
+
+def test_remainder_and_host_masters_give_the_dp_sharded_weights_bit_for_bit():
+    """30 merges with weight decay, each of ~1e-3 relative size: the three stores hold the same
+    fp32 masters and write the same bf16 weights after every merge (the host store merges in
+    chunks of 3 rows, which do not divide a block's 8)."""
+    weights, masters, generator = _three_masters()
+    sketch_rank = 4
+    for _ in range(30):
+        direction = torch.randn(16, sketch_rank, generator=generator)
+        projection = torch.randn(sketch_rank, 24, generator=generator) / sketch_rank**0.5
+        for weight, master in zip(weights, masters, strict=True):
+            master.merge_(weight, direction, projection, lr=1e-3, weight_decay=0.1,
+                          dp_group=None)
+        assert torch.equal(weights[1], weights[0]) and torch.equal(weights[2], weights[0])
+        want = masters[0].fp32_rows().view(torch.int32)
+        for master in masters[1:]:
+            assert torch.equal(master.fp32_rows().view(torch.int32), want)
+    assert not torch.equal(weights[0], _three_masters()[0][0])
+    assert torch.equal(weights[0], round_to_bf16(masters[0].fp32_rows()))
+
+
+def test_each_store_loads_the_fp32_rows_another_wrote():
+    """What a checkpoint does between modes: fp32 rows out of one store, into another."""
+    weights, masters, generator = _three_masters()
+    direction = torch.randn(16, 4, generator=generator)
+    projection = torch.randn(4, 24, generator=generator)
+    masters[1].merge_(weights[1], direction, projection, lr=1e-2, weight_decay=0.0,
+                      dp_group=None)
+    saved = masters[1].fp32_rows().clone()
+    for master in (masters[0], masters[2]):
+        master.load_(saved)
+        assert torch.equal(master.fp32_rows(), saved)
+    fresh_weight = weights[0].clone()
+    fresh = RemainderMaster(fresh_weight, masters[1].shard)
+    fresh.load_(masters[0].fp32_rows())
+    assert torch.equal(fresh.fp32_rows().view(torch.int32), saved.view(torch.int32))
+    assert torch.equal(fresh_weight, weights[1])
+
+
+def test_device_bytes_per_owned_element_are_4_2_and_0_by_store():
+    _, masters, _ = _three_masters()
+    owned = 16 * 24
+    device = [sum(t.numel() * t.element_size() for t in m.device_tensors()) for m in masters]
+    host = [sum(t.numel() * t.element_size() for t in m.host_tensors()) for m in masters]
+    assert device == [4 * owned, 2 * owned, 0] and host == [0, 0, 4 * owned]
+
+
+@pytest.mark.parametrize(("requested", "dtype", "name"), [
+    ("auto", torch.float32, "none"), ("auto", torch.bfloat16, "dp_sharded"),
+    ("remainder", torch.bfloat16, "remainder"), ("host", torch.bfloat16, "host"),
+])
+def test_master_mode_is_chosen_once_from_the_setting_and_the_weight_dtype(requested, dtype,
+                                                                           name):
+    assert master_weights_mode(requested, dtype, merge_chunk_mib=1.0).name == name
+
+
+@pytest.mark.parametrize("requested", ["dp_sharded", "remainder", "host"])
+def test_bf16_master_modes_refuse_fp32_weights_naming_the_fix(requested):
+    with pytest.raises(ValueError, match="master_weights=none"):
+        master_weights_mode(requested, torch.float32, merge_chunk_mib=1.0)

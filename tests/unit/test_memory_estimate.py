@@ -297,6 +297,29 @@ def test_logra_static_memory_of_tiny_model_matches_hand_computation(
     assert got == expected
 
 
+@pytest.mark.parametrize(
+    ("precision", "gpu_masters", "host_masters"),
+    [
+        # 576 target params over dp = 2: fp32 rows 4*576/2, int16 remainders 2*576/2, or fp32
+        # rows in host memory (0 on the GPU).
+        ("bf16_sharded_master", 1152, 0),
+        ("bf16_remainder", 576, 0),
+        ("bf16_host_master", 0, 1152),
+    ],
+)
+def test_each_master_mode_keeps_its_bytes_per_owned_target_element_on_the_gpu_or_host(
+    precision, gpu_masters, host_masters
+):
+    """Only the master differs between the modes: the rest of the bf16 library case above
+    (non-target Adam 1104 + row moments 160), and host bytes stay out of the GPU total."""
+    logra = logra_memory(TINY, TINY_LAYOUT, sketch_rank=2, precision=precision)
+    fp32_rows = logra_memory(TINY, TINY_LAYOUT, sketch_rank=2, precision="bf16_sharded_master")
+    assert logra.optimizer_state == 1104 + 160 + gpu_masters
+    assert logra.host_optimizer_state == host_masters
+    assert fp32_rows.total - logra.total == 1152 - gpu_masters
+    assert logra.as_dict()["host_optimizer_state_bytes"] == host_masters
+
+
 def test_sketched_layers_save_projected_inputs_instead_of_exactly_the_four_target_inputs():
     # TINY at tp = 2 with SP, T = 4 tokens, T_s = 2, bf16, rank 2. Dense terms per layer:
     dense_terms = {

@@ -29,6 +29,7 @@ direction rule had already advanced: no weight and no optimizer state was change
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -41,7 +42,7 @@ from megatron_logra.config import LoGRAConfig
 from megatron_logra.direction import DirectionContext, DirectionRule, make_direction_rule
 from megatron_logra.finite_check import agreed_flags, local_finite
 from megatron_logra.logra_mode import LoGRAMode
-from megatron_logra.master_weights import RowShardedMaster
+from megatron_logra.master_weights import RowMaster, master_weights_mode
 from megatron_logra.mcore.models.targets import SketchTarget
 from megatron_logra.mcore.optimizer.logra_state import (
     global_row_ranges,
@@ -74,13 +75,16 @@ class _TargetParamGroups(torch.optim.Optimizer):
 class LoGRAOptimizer(MegatronOptimizer):
     """Sketch-based updates of this rank's target weights.
 
-    Two precision modes for the target weights (``logra.master_weights``):
+    Precision modes for the target weights (``logra.master_weights``, a strategy of
+    :mod:`megatron_logra.master_weights` chosen once):
 
     * ``none``: fp32 parameters are their own masters; every data-parallel rank holds and
       updates all rows (the sketch buffer is all-reduced).
-    * ``dp_sharded``: bf16 parameters with fp32 masters sharded over the data-parallel group by
-      whole rows. The sketch buffer is reduce-scattered, each rank applies RowAdam and the update
-      to the rows it owns, and the updated bf16 rows are all-gathered.
+    * ``dp_sharded`` / ``remainder`` / ``host``: bf16 parameters with exact masters sharded over
+      the data-parallel group by whole rows (fp32 rows on the device, int16 remainders on the
+      device, fp32 rows in host memory). The sketch buffer is reduce-scattered, each rank
+      applies RowAdam and the update to the rows it owns, and the updated bf16 rows are
+      all-gathered. The three give bit-identical weights.
 
     Behaviour is chosen at construction and fixed for the run: the ``mode`` (library or paper:
     how directions are sized and merged) and an optional ``step_scale`` that sizes every
@@ -125,7 +129,9 @@ class LoGRAOptimizer(MegatronOptimizer):
                     f"{target.layer_key}.weight is {target.weight.dtype}, other targets "
                     f"{weight_dtype}: targets must share one dtype"
                 )
-        self.master_mode = resolve_master_mode(logra.master_weights, weight_dtype)
+        self.master_weights = master_weights_mode(
+            logra.master_weights, weight_dtype, merge_chunk_mib=logra.merge_chunk_mib
+        )
         holder = _TargetParamGroups(
             [t.weight for t in targets], lr=config.lr, weight_decay=config.weight_decay
         )
@@ -139,7 +145,7 @@ class LoGRAOptimizer(MegatronOptimizer):
         self.groups = groups
         self.update_count = 0
         self.compute_dtype = weight_dtype
-        sharded = self.master_mode == "dp_sharded"
+        sharded = self.master_weights.shards_rows
         self.sketches = FlatSketchBuffer(
             [
                 SketchSlot(
@@ -151,12 +157,13 @@ class LoGRAOptimizer(MegatronOptimizer):
             dp_size=groups.dp_size if sharded else 1,
             dp_rank=groups.dp_rank if sharded else 0,
         )
-        self.masters: dict[str, RowShardedMaster] = {}
-        if sharded:
-            for target in self.targets:
-                self.masters[target.layer_key] = RowShardedMaster(
-                    target.weight, self.sketches.shards[target.layer_key]
-                )
+        self.masters: dict[str, RowMaster] = {}
+        for target in self.targets:
+            master = self.master_weights.make(
+                target.weight, self.sketches.shards[target.layer_key]
+            )
+            if master is not None:
+                self.masters[target.layer_key] = master
         # Sketch statistics: replicated sketches are summed over model parallelism only; sharded
         # ones hold distinct rows on every DP rank as well.
         self.stats_group = None if sharded else groups.mp
@@ -175,6 +182,8 @@ class LoGRAOptimizer(MegatronOptimizer):
         self._state_before: dict[str, torch.Tensor] | None = None
         self._checked: tuple[float, list[tuple[torch.Tensor, float]]] | None = None
         self.last_update_scale: float | None = None
+        self.last_merge_time_s: float | None = None
+        """Wall time of the last update's merge (masters, weights and their all-gathers)."""
         for target in self.targets:
             target.module.logra_sketch = LayerSketch(
                 target.layer_key, self._projection(target), self.sketches
@@ -397,7 +406,7 @@ class LoGRAOptimizer(MegatronOptimizer):
         local = torch.zeros((), dtype=torch.float64, device=self.sketches.data.device)
         for target in self.targets:
             master = self.masters.get(target.layer_key)
-            weight = master.master_OI if master is not None else target.weight.detach()
+            weight = master.fp32_rows() if master is not None else target.weight.detach()
             local += weight.double().pow(2).sum()
         if dist.get_world_size(self.stats_group) > 1:
             dist.all_reduce(local, group=self.stats_group)
@@ -492,6 +501,8 @@ class LoGRAOptimizer(MegatronOptimizer):
         _, factors = self._checked
         _, weight_decay = self._step_size()
         records: list[LowRankUpdate] = []
+        self._synchronize()
+        merge_start = time.perf_counter()
         for target, (direction, step_lr) in zip(self.targets, factors, strict=True):
             projection = self.projection_of(target)
             master = self.masters.get(target.layer_key)
@@ -503,9 +514,10 @@ class LoGRAOptimizer(MegatronOptimizer):
                 apply_low_rank_update_(target.weight.data, direction, projection, lr=step_lr,
                                        weight_decay=weight_decay)
             else:
-                master.apply_update_(direction, projection, lr=step_lr,
-                                     weight_decay=weight_decay)
-                master.publish_(target.weight, self.groups.dp)
+                master.merge_(target.weight, direction, projection, lr=step_lr,
+                              weight_decay=weight_decay, dp_group=self.groups.dp)
+        self._synchronize()
+        self.last_merge_time_s = time.perf_counter() - merge_start
         self.update_count += 1
         self.last_update_scale = scale
         self._prepared = False
@@ -530,6 +542,16 @@ class LoGRAOptimizer(MegatronOptimizer):
             lr=step_lr, weight_decay=weight_decay, pieces=(piece,),
         )
 
+    def _synchronize(self) -> None:
+        """Wait for the device, so that a wall-clock interval measures the work inside it."""
+        if self.sketches.data.is_cuda:
+            torch.cuda.synchronize(self.sketches.data.device)
+
+    def update_metrics(self) -> dict[str, object]:
+        """The fields a step's record reports about the last update."""
+        return {"logra_update_count": self.update_count,
+                "master_merge_time_s": self.last_merge_time_s}
+
     @torch.no_grad()
     def step_with_ready_grads(self) -> bool:
         self.apply_update(self.prepare_checked_update())
@@ -549,13 +571,13 @@ class LoGRAOptimizer(MegatronOptimizer):
         for target in self.targets:
             master = self.masters.get(target.layer_key)
             if master is not None:
-                master.load_(RowShardedMaster(target.weight, master.shard).master_OI)
+                master.load_(self.master_weights.make(target.weight, master.shard).fp32_rows())
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "update_count": self.update_count,
             "direction": {k: v.clone() for k, v in self.direction.state_tensors().items()},
-            "masters": {k: m.master_OI.clone() for k, m in self.masters.items()},
+            "masters": {k: m.fp32_rows().clone() for k, m in self.masters.items()},
             "param_groups": [
                 {k: v for k, v in g.items() if k != "params"} for g in self.param_groups
             ],
@@ -583,22 +605,3 @@ class LoGRAOptimizer(MegatronOptimizer):
         (:mod:`megatron_logra.mcore.optimizer.logra_state`)."""
         del model_sharded_state_dict, is_loading, metadata
         return sharded_state_dict(self)
-
-
-def resolve_master_mode(requested: str, weight_dtype: torch.dtype) -> str:
-    """``auto`` -> ``none`` for fp32 weights, ``dp_sharded`` for bf16; check explicit choices."""
-    if requested == "auto":
-        return "none" if weight_dtype == torch.float32 else "dp_sharded"
-    if requested == "none" and weight_dtype != torch.float32:
-        raise ValueError(
-            f"logra.master_weights=none merges updates into the weights themselves, which are "
-            f"{weight_dtype}: a ~1e-4 relative update is below bf16 resolution and would be "
-            "lost; use logra.master_weights=dp_sharded (or model.params_dtype=fp32)"
-        )
-    if requested == "dp_sharded" and weight_dtype == torch.float32:
-        raise ValueError(
-            "logra.master_weights=dp_sharded keeps fp32 masters of low-precision weights; with "
-            "model.params_dtype=fp32 the weights are their own masters: use "
-            "logra.master_weights=none (or auto)"
-        )
-    return requested

@@ -1,7 +1,11 @@
 """The LoGRA optimizer's checkpoint: row moments and fp32 masters as reshardable ShardedTensors.
 
 Every owned piece of a layer's rows is addressed by its place in the *full* (TP=1, DP=1) weight,
-so a checkpoint written at one TP / PP / DP layout (and master mode) loads at another. The update
+so a checkpoint written at one TP / PP / DP layout loads at another. Masters are written as fp32
+rows whatever their store (``dp_sharded``, ``remainder``, ``host``: the remainder master is
+recombined with its bf16 weight), so a checkpoint of one master mode loads into another; the
+mode is therefore not part of the fingerprint (``none`` versus the others differs by
+``model.params_dtype``, which the checkpoint's model check refuses to change). The update
 count, the step-scale controller's state, the scheduler's param-group values and a fingerprint of
 the settings the state only makes sense under are common (rank-independent) state. Projections
 are never saved: they are regenerated from ``(seed, update_count, layer_key)``.
@@ -31,7 +35,6 @@ def checkpoint_fingerprint(optimizer: LoGRAOptimizer) -> dict[str, Any]:
         "direction": logra.direction,
         "refresh": logra.refresh,
         "targets": sorted(logra.targets),
-        "master_mode": optimizer.master_mode,
         **optimizer.mode.fingerprint(),
     }
 
@@ -104,6 +107,7 @@ def sharded_state_dict(optimizer: LoGRAOptimizer) -> dict[str, Any]:
         entries: dict[str, list[Any]] = {"moment": [], "master": []}
         moment_view = row_moment(optimizer, key)
         master = optimizer.masters.get(key)
+        master_OI = master.fp32_rows() if master is not None else None
         for block, index, fragments in _row_fragments(optimizer, target):
             rows = slice(block * shard.chunk_rows, (block + 1) * shard.chunk_rows)
             if moment_view is not None:
@@ -114,7 +118,7 @@ def sharded_state_dict(optimizer: LoGRAOptimizer) -> dict[str, Any]:
             if master is not None:
                 column_axis = [(1, groups.tp_rank, groups.tp_size)] if row_part else []
                 entries["master"].append(ShardedTensor.from_rank_offsets(
-                    f"logra.master.{key}", master.master_OI[rows],
+                    f"logra.master.{key}", master_OI[rows],
                     (0, index, fragments), *column_axis, replica_id=0,
                 ))
         pieces[key] = entries
@@ -140,12 +144,16 @@ def load_sharded_state(optimizer: LoGRAOptimizer, state_dict: dict[str, Any]) ->
         key, shard = target.layer_key, optimizer.sketches.shards[target.layer_key]
         entries = state_dict["row_pieces"][key]
         moment = row_moment(optimizer, key)
+        master = optimizer.masters.get(key)
+        master_OI = master.fp32_rows().clone() if master is not None else None
         for block in range(shard.stride):
             rows = slice(block * shard.chunk_rows, (block + 1) * shard.chunk_rows)
             if moment is not None:
                 moment[rows].copy_(entries["moment"][block])
-            if key in optimizer.masters:
-                optimizer.masters[key].master_OI[rows].copy_(entries["master"][block])
+            if master_OI is not None:
+                master_OI[rows].copy_(entries["master"][block])
+        if master is not None:
+            master.load_(master_OI)
     optimizer.update_count = int(common["update_count"])
     if optimizer.step_scale is not None:
         if common.get("kl_controller") is None:

@@ -1,7 +1,8 @@
 """Exact accounting of persistent training state on this rank, by category.
 
-Persistent state is what lives between steps: weights (LoRA adapters apart), gradient buffers, optimizer state (moments,
-fp32 master copies), and for LoGRA the sketch buffer and the cached projections. Activations are
+Persistent state is what lives between steps: weights (LoRA adapters apart), gradient buffers,
+optimizer state (moments, fp32 master copies or their int16 remainders), and for LoGRA the
+sketch buffer and the cached projections; LoGRA's host-offloaded masters are counted apart. Activations are
 not counted here (they are freed by the end of a step).
 
 Every tensor is counted by its underlying storage, once, in the first category that claims it:
@@ -27,7 +28,11 @@ from megatron_logra.mcore.training.setup import TrainingSetup
 
 CATEGORIES: tuple[str, ...] = (
     "weights", "adapters", "grads", "optimizer_state", "sketches", "projections",
+    "host_optimizer_state",
 )
+"""The last one is in host memory beside the device (logra.master_weights=host); on CPU runs
+the two are the same memory, and the category still says which would be offloaded."""
+DEVICE_CATEGORIES: tuple[str, ...] = CATEGORIES[:-1]
 
 
 class _StorageLedger:
@@ -69,7 +74,10 @@ def persistent_state_bytes(setup: TrainingSetup) -> dict[str, int]:
     for optimizer in _sub_optimizers(setup.optimizer):
         if isinstance(optimizer, LoGRAOptimizer):
             ledger.add("optimizer_state", optimizer.direction.state_tensors().values())
-            ledger.add("optimizer_state", (m.master_OI for m in optimizer.masters.values()))
+            ledger.add("optimizer_state",
+                       (t for m in optimizer.masters.values() for t in m.device_tensors()))
+            ledger.add("host_optimizer_state",
+                       (t for m in optimizer.masters.values() for t in m.host_tensors()))
             ledger.add("sketches", [optimizer.sketches.data])
             ledger.add(
                 "projections", (optimizer.projection_of(t) for t in optimizer.targets)
@@ -93,6 +101,13 @@ def gather_state_bytes(setup: TrainingSetup, groups: ParallelGroups) -> list[dic
     everyone: list[dict[str, int] | None] = [None] * groups.world_size
     dist.all_gather_object(everyone, persistent_state_bytes(setup))
     return [entry or {} for entry in everyone]
+
+
+def state_bytes_totals(per_rank: list[dict[str, int]]) -> dict[str, int]:
+    """Bytes over all ranks: ``state_bytes`` on the devices, ``host_state_bytes`` beside them."""
+    host = sum(r.get(k, 0) for r in per_rank for k in CATEGORIES if k not in DEVICE_CATEGORIES)
+    device = sum(r.get(k, 0) for r in per_rank for k in DEVICE_CATEGORIES)
+    return {"state_bytes": device, "host_state_bytes": host}
 
 
 def write_state_bytes(per_rank: list[dict[str, int]], method: str, path: Path) -> None:

@@ -182,6 +182,7 @@ class RLJob:
             "rollout_trainer_gap": first.mismatch,
             "logprob_gap_all_tokens": sums.all_gap_sum / max(sums.all_gap_tokens, 1.0),
             **kl_metrics,
+            **(setup.logra.update_metrics() if setup.logra is not None else {}),
             "tokens": generated,
             "step_time_s": elapsed,
             "tokens_per_s": generated / elapsed,

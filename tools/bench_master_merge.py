@@ -1,0 +1,78 @@
+"""Time one LoGRA merge of a bf16 weight through each master store (logra.master_weights).
+
+    python tools/bench_master_merge.py --rows 4096 --cols 4096 --sketch-rank 256 --device cuda
+
+One weight ``[rows, cols]`` owned whole by this process (dp = 1), one update ``-lr D A`` of sketch
+rank r per merge; the median wall time of ``--repeats`` merges per store, the device
+synchronised around each. ``fp32 addmm`` is the update alone (the ``none`` mode's merge into an
+fp32 weight), the floor every store pays. On a GPU the host store streams its rows through the
+device in ``--chunk-mib`` chunks with the copies overlapped; on CPU host and device are one
+memory, so its figure there is the chunked arithmetic only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+
+from megatron_logra.master_weights import HostMaster, RemainderMaster, RowShardedMaster
+from megatron_logra.row_sharding import RowShard
+
+
+def _median_seconds(work: Callable[[], None], repeats: int, device: torch.device) -> float:
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        work()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=2048)
+    parser.add_argument("--cols", type=int, default=1024)
+    parser.add_argument("--sketch-rank", type=int, default=64)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--chunk-mib", type=float, default=64.0,
+                        help="the host store's chunk (logra.merge_chunk_mib)")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    generator = torch.Generator().manual_seed(0)
+    start = torch.randn(args.rows, args.cols, generator=generator).to(torch.bfloat16).to(device)
+    direction = torch.randn(args.rows, args.sketch_rank, generator=generator).to(device)
+    projection = (torch.randn(args.sketch_rank, args.cols, generator=generator)
+                  / args.sketch_rank**0.5).to(device)
+    shard = RowShard(args.rows, stride=1, dp_size=1, dp_rank=0)
+    chunk_rows = max(1, int(args.chunk_mib * 2**20) // (4 * args.cols))
+    fp32 = start.float()
+    rows = {"fp32 addmm (none)": _median_seconds(
+        lambda: fp32.addmm_(direction, projection, alpha=-1e-3), args.repeats, device)}
+    stores = {
+        "dp_sharded": RowShardedMaster,
+        "remainder": RemainderMaster,
+        f"host ({chunk_rows} rows/chunk)": lambda w, s: HostMaster(w, s, chunk_rows=chunk_rows),
+    }
+    for name, make in stores.items():
+        weight = start.clone()
+        master = make(weight, shard)
+        rows[name] = _median_seconds(
+            lambda weight=weight, master=master: master.merge_(
+                weight, direction, projection, lr=1e-3, weight_decay=0.0, dp_group=None),
+            args.repeats, device)
+    print(f"merge of a [{args.rows}, {args.cols}] bf16 weight, r={args.sketch_rank}, "  # noqa: T201
+          f"{device}, median of {args.repeats}:")
+    for name, seconds in rows.items():
+        print(f"  {name:<28} {seconds * 1e3:9.2f} ms")  # noqa: T201
+
+
+if __name__ == "__main__":
+    main()
