@@ -21,6 +21,7 @@ from collections.abc import Iterable
 
 import torch
 
+from megatron_logra.bf16_remainder import round_to_bf16
 from megatron_logra.projection import generate_projection, projection_key
 from megatron_logra.sketch import apply_low_rank_update_
 from megatron_logra.sync.checksum import weight_checksums
@@ -189,6 +190,10 @@ class EngineShadow:
     def _cast(self, master_OI: torch.Tensor) -> torch.Tensor:
         if self.served_dtype == torch.float32:
             return master_OI  # served directly: no second copy
+        if self.served_dtype == torch.bfloat16:
+            # The trainer's masters round with this function (ties away from zero, which torch's
+            # cast does not); a cast would differ from the trainer's weight at every exact tie.
+            return round_to_bf16(master_OI)
         return master_OI.to(self.served_dtype)
 
     def checksums(self) -> dict[str, str]:

@@ -130,7 +130,7 @@ def test_projection_generator_imports_only_torch_and_the_standard_library():
 
 
 SYNC_MAY_IMPORT = ("megatron_logra.sync", "megatron_logra.projection", "megatron_logra.sketch",
-                   "megatron_logra.memory.shapes")
+                   "megatron_logra.memory.shapes", "megatron_logra.bf16_remainder")
 
 
 @pytest.mark.parametrize("path", sorted((PACKAGE / "sync").glob("*.py")), ids=lambda p: p.stem)

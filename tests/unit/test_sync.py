@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from megatron_logra.bf16_remainder import round_to_bf16
 from megatron_logra.master_weights import RowShardedMaster
 from megatron_logra.memory.shapes import preset
 from megatron_logra.projection import generate_projection, projection_key
@@ -207,3 +208,14 @@ def test_sync_bytes_tool_reports_paper_and_library_ratios_for_the_7b_config():
     )
     bf16_row = next(line for line in result.stdout.splitlines() if "| bf16 |" in line)
     assert bf16_row.rstrip(" |").endswith("| 21.4 | 5.3")
+
+
+def test_bf16_served_weights_round_exact_ties_as_the_trainer_masters_do():
+    # fp32 values exactly halfway between two bf16 neighbours (low 16 bits 0x8000): torch's cast
+    # rounds them to even, the trainer's masters (round_to_bf16) away from zero.
+    low_bits = torch.full((ROWS, COLS), 0x8000, dtype=torch.int32)
+    high_bits = torch.arange(ROWS * COLS, dtype=torch.int32).reshape(ROWS, COLS) + 0x3F80
+    ties = ((high_bits << 16) | low_bits).view(torch.float32)
+    assert not torch.equal(ties.to(torch.bfloat16), round_to_bf16(ties))  # the cases differ
+    engine = _engine({NAME: ties}, torch.bfloat16)
+    assert torch.equal(engine.served[NAME], round_to_bf16(ties))
