@@ -98,7 +98,7 @@ def parse_override(text: str) -> tuple[tuple[str, ...], Any]:
     dotted, raw = text.split("=", 1)
     parts = tuple(dotted.strip().split("."))
     if len(parts) < 2 or not all(parts):
-        raise ValueError(f"override key {dotted!r} must look like section.key")
+        raise ValueError(f"override {text!r} must look like section.key=value")
     check_key(parts)
     if not raw.strip():
         return parts, ""

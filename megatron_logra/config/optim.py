@@ -146,10 +146,13 @@ class LoGRAConfig:
         check_choice(f"{path}.update_factor_dtype", self.update_factor_dtype,
                      UPDATE_FACTOR_DTYPES)
         check_positive(f"{path}.update_ratio", self.update_ratio)
-        if self.update_ratio >= 1.0:
+        # A proposal as large as the weights is applied as is without KL control; with it, the
+        # controller scales any proposal to the KL budget (a stress test may propose 3.0).
+        if self.update_ratio >= 1.0 and not self.kl_control.enabled:
             raise ValueError(
-                f"{path}.update_ratio={self.update_ratio} must be < 1: it is the proposed "
-                "update's norm relative to the target weights' (the paper uses 6e-5)"
+                f"{path}.update_ratio={self.update_ratio} must be < 1 without KL control: it is "
+                "the proposed update's norm relative to the target weights' (the paper uses "
+                "6e-5); lower it, or set logra.kl_control.enabled=true to scale it to a KL budget"
             )
         check_choice(f"{path}.native_optimizer", self.native_optimizer, NATIVE_OPTIMIZERS)
         check_choice(f"{path}.master_weights", self.master_weights, MASTER_WEIGHTS)

@@ -311,7 +311,7 @@ def test_to_hf_of_a_training_checkpoint_holds_the_trained_weights_and_loads(
     # its own gathered full weights; the exported tensors, mapped back, are those weights.
     from safetensors.torch import load_file
 
-    from megatron_logra.mcore.conversion.hf import (
+    from megatron_logra.mcore.conversion import (
         architecture_from_hf_config,
         megatron_full_tensor,
     )
@@ -348,7 +348,7 @@ def test_to_hf_of_a_training_checkpoint_holds_the_trained_weights_and_loads(
     ],
 )
 def test_unrepresentable_llama_configs_are_refused_with_the_field_named(hf_models, change, message):
-    from megatron_logra.mcore.conversion.hf import architecture_from_hf_config
+    from megatron_logra.mcore.conversion import architecture_from_hf_config
 
     config = json.loads((hf_models["llama"] / "config.json").read_text())
     config.update(change)
@@ -357,7 +357,7 @@ def test_unrepresentable_llama_configs_are_refused_with_the_field_named(hf_model
 
 
 def test_sliding_window_qwen_is_refused(hf_models):
-    from megatron_logra.mcore.conversion.hf import architecture_from_hf_config
+    from megatron_logra.mcore.conversion import architecture_from_hf_config
 
     config = json.loads((hf_models["qwen"] / "config.json").read_text())
     config.update(use_sliding_window=True, sliding_window=64)
