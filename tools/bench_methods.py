@@ -33,6 +33,9 @@ Separately (``--no-kernels`` to skip), the backward cost of a sketch against the
 gradient it replaces: ``H^T (X A^T)`` (plus the projection ``X A^T``) vs ``H^T X``, timed for the
 model's target shapes and for a large realistic layer (hidden 4096, ffn 14336, 8 KV groups,
 T = 4096, r = 256).
+
+Over 500 lines because it is one benchmark's whole driver: the per-method memory processes, the
+rotating timing process, and the one table that compares them (the kernels are bench_kernels).
 """
 
 from __future__ import annotations

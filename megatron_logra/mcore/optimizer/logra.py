@@ -24,6 +24,10 @@ update-ratio factor, the step scale alpha and every merged factor ``U`` are chec
 anything is applied, each check agreed on every rank (:mod:`megatron_logra.finite_check`). A
 refused step raises ``RuntimeError`` with the stage named, after restoring the row moments the
 direction rule had already advanced: no weight and no optimizer state was changed.
+
+Its size (~600 lines) is the contract's: Megatron's optimizer interface, the step and its
+checks, the update listener for policy sync and the reshardable state are one object's; the
+arithmetic lives in the pure modules it calls (direction, projection, sketch, master weights).
 """
 
 from __future__ import annotations
