@@ -159,8 +159,11 @@ def _run(command: list[str], deadline: float, log: Path) -> str:
         done = subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True,
                               timeout=remaining)
     except subprocess.TimeoutExpired as error:
-        log.write_text(f"{command}\n{error.stdout or ''}\n{error.stderr or ''}")
-        raise SectionFailed(f"timed out ({log})") from error
+        # TimeoutExpired carries bytes even under text=True.
+        partial = [o.decode(errors="replace") if isinstance(o, bytes) else (o or "")
+                   for o in (error.stdout, error.stderr)]
+        log.write_text(f"{command}\ntimed out after {remaining:.0f} s\n" + "\n".join(partial))
+        raise SectionFailed(f"timed out after {remaining:.0f} s ({log})") from error
     log.write_text(f"{command}\nexit {done.returncode}\n{done.stdout}\n{done.stderr}")
     if done.returncode != 0:
         raise SectionFailed(f"exit {done.returncode} ({log}): {done.stderr.strip()[-300:]}")
@@ -173,7 +176,7 @@ def _cli_train(nproc: int, overrides: list[str], run_dir: Path, deadline: float)
         launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     command = [*launcher, "-m", "megatron_logra", "train", str(TINY_CONFIG), *overrides,
                f"run.dir={run_dir}"]
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
     _run(command, deadline, run_dir.parent / f"{run_dir.name}.log")
     return run_dir
 
