@@ -358,19 +358,20 @@ def environment() -> dict[str, Any]:
 
 
 def _figure_line(record: Record) -> str:
+    """The compared figures (with their tolerances) or the measurements, in words. A failed
+    section may hold only some of its figures: print what is there."""
     f = record.figures
-    if record.section == "tp_parity" and "bf16_loss_rel_diff" in f:
-        return (f"  fp32 loss {f['fp32_loss_rel_diff']:.1e} weights {f['fp32_weight_rel_diff']:.1e}"
-                f"; bf16 loss {f['bf16_loss_rel_diff']:.1e} "
-                f"weights {f['bf16_weight_rel_diff']:.1e}")
-    if record.section == "te_spec" and "loss_rel_diff" in f:
-        return f"  loss te vs local {f['loss_rel_diff']:.1e} (tolerance {TE_LOSS_RTOL:.0e})"
+    if record.section in ("tp_parity", "te_spec"):
+        return "  " + ", ".join(
+            f"{name} {value:.1e}" + (f" (tolerance {f[name + '_tolerance']:.0e})"
+                                     if name + "_tolerance" in f else "")
+            for name, value in f.items() if name.endswith("_rel_diff"))
     if record.section == "memory":
         return "\n".join(
             f"  {m:<11} peak {f[m]['peak_bytes'] / 2**30:7.2f} GiB  estimate "
             f"{f[m]['estimate_total_bytes'] / 2**30:7.2f} GiB  ({f[m]['peak_over_estimate']:.2f}x)"
             for m in ("dense_adam", "lora", "logra") if m in f)
-    if record.section == "master_merge":
+    if record.section == "master_merge" and record.status == "ok":
         return "\n".join(f"  {shape}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in
                                                      f[shape]["merge_ms"].items())
                          for shape in f)
