@@ -1,6 +1,7 @@
 """Time one LoGRA merge of a bf16 weight through each master store (logra.master_weights).
 
     python tools/bench_master_merge.py --rows 4096 --cols 4096 --sketch-rank 256 --device cuda
+    python tools/bench_master_merge.py --json          # the same figures as one JSON object
 
 One weight ``[rows, cols]`` owned whole by this process (dp = 1), one update ``-lr D A`` of sketch
 rank r per merge; the median wall time of ``--repeats`` merges per store, the device
@@ -13,6 +14,7 @@ memory, so its figure there is the chunked arithmetic only.
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from collections.abc import Callable
 
@@ -44,6 +46,7 @@ def main() -> None:
     parser.add_argument("--chunk-mib", type=float, default=64.0,
                         help="the host store's chunk (logra.merge_chunk_mib)")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead")
     args = parser.parse_args()
     device = torch.device(args.device)
     generator = torch.Generator().manual_seed(0)
@@ -68,6 +71,12 @@ def main() -> None:
             lambda weight=weight, master=master: master.merge_(
                 weight, direction, projection, lr=1e-3, weight_decay=0.0, dp_group=None),
             args.repeats, device)
+    if args.json:
+        print(json.dumps({"rows": args.rows, "cols": args.cols,  # noqa: T201
+                          "sketch_rank": args.sketch_rank, "device": str(device),
+                          "repeats": args.repeats, "chunk_rows": chunk_rows,
+                          "merge_ms": {name: s * 1e3 for name, s in rows.items()}}))
+        return
     print(f"merge of a [{args.rows}, {args.cols}] bf16 weight, r={args.sketch_rank}, "  # noqa: T201
           f"{device}, median of {args.repeats}:")
     for name, seconds in rows.items():

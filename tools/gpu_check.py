@@ -1,0 +1,421 @@
+"""The checks a lent GPU runs: NCCL/bf16 layout parity, the TE spec, measured memory, the merge.
+
+    tools/gpu_check.sh [OUT_DIR]                        # everything, ~5-8 minutes on one node
+    python tools/gpu_check.py all --out runs/gpu_check  # the same, without the shell wrapper
+    python tools/gpu_check.py tp_parity --out DIR       # one section
+
+Each section checks its own prerequisites first (a CUDA device; two of them for TP=2; NCCL;
+Transformer Engine) and, where one is missing, records ``skipped: <why>`` instead of failing, so
+the check runs to the end on any machine and says what it could not measure. A section that ran
+either passes (every compared figure within its named tolerance) or fails (the figure and the
+tolerance are in the record). ``OUT_DIR/figures.jsonl`` holds one JSON record per section
+(``section``, ``status``, ``reason``, ``figures``, ``seconds``) after an ``environment`` record;
+``OUT_DIR/summary.txt`` the same in words. The exit status is 1 when a section failed, else 0
+(skips included).
+
+Sections (one function each, returning its figures):
+
+* ``tp_parity``: the tiny GPT trained by LoGRA through the CLI at TP=1 (one GPU) and TP=2 (two
+  GPUs, NCCL), in fp32 and in bf16: per-step losses and final weights compared;
+* ``te_spec``: ``model.attention=te`` against ``model.attention=local``, bf16, a few steps: losses;
+* ``memory``: ``tools/bench_methods.py --device cuda`` on a ~1B-shaped GPT at 4096 tokens:
+  ``torch.cuda.max_memory_allocated`` of dense Adam, LoRA and LoGRA beside the estimator's total;
+* ``master_merge``: ``tools/bench_master_merge.py --device cuda``: one merge per master store;
+* ``vllm``: not built yet (issue 14), always skipped.
+
+Nothing here imports Megatron (only ``megatron_logra/mcore`` does): sections run the CLI and the
+benchmark tools as subprocesses, so the driver itself starts in about a second on any machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+FIGURES_FILE = "figures.jsonl"
+SUMMARY_FILE = "summary.txt"
+TINY_CONFIG = REPO / "configs" / "demo_cpu.yaml"
+
+# --- tolerances (relative: max |a - b| / max |b|, losses per step) -----------------------------
+# fp32 TP=2 vs TP=1 on CPU agrees to 1.3e-7 in loss. On a GPU cuBLAS chooses kernels (split-K
+# orders) per shape, so a TP shard's matmul and the row-parallel all-reduce of two partial sums
+# round differently from the TP=1 matmul: ~1e-7 per operation, grown over the steps. 1e-5 is
+# ~100x the CPU figure and still catches a wrong shard, slice of A or reduction (those are O(1)).
+FP32_TP_LOSS_RTOL = 1e-5
+FP32_TP_WEIGHT_RTOL = 1e-4
+# bf16 keeps 8 significant bits (unit roundoff 2^-8 = 3.9e-3). At TP=2 every row-parallel layer
+# rounds its partial output to bf16 before the all-reduce, one rounding more than TP=1, in each of
+# 2 layers x 2 row-parallel linears; 2e-2 is ~5 units of roundoff in the loss.
+BF16_TP_LOSS_RTOL = 2e-2
+# bf16 weights cast from exact fp32 masters: a master that differs by rounding can land one bf16
+# ulp (2^-7 relative) away; two ulps of the largest weight.
+BF16_TP_WEIGHT_RTOL = 1.6e-2
+# TE's fused attention and fused RMSNorm accumulate in other orders than Megatron's local
+# attention and torch's norm, with bf16 intermediates: the same bf16 argument as above.
+TE_LOSS_RTOL = 2e-2
+
+PARITY_STEPS = 5
+TE_STEPS = 5
+# ~1B-shaped (TinyLlama-like widths, multi-head attention): 16 layers, hidden 2048, ffn 5632,
+# vocab 32000 -> 0.95e9 parameters; one sequence of 4096 tokens; LoGRA and LoRA at rank 256.
+MEMORY_MODEL = ["--layers", "16", "--hidden", "2048", "--heads", "16", "--ffn", "5632",
+                "--vocab", "32000", "--seq-length", "4096", "--micro-batch-size", "1",
+                "--sketch-rank", "256"]
+MERGE_SHAPES = ((4096, 4096), (28672, 4096))  # a square projection; a 7B-sized fused fc1
+# Seconds each section may run; together 470 s, so the whole check stays under 8 minutes.
+# memory gets most: bench_methods starts 4 processes, and the model's layout-invariant
+# initialisation draws every full weight from a CPU generator (1e9 normals per model).
+BUDGET_S = {"tp_parity": 130, "te_spec": 70, "memory": 240, "master_merge": 30}
+
+
+class SectionSkipped(Exception):
+    """A prerequisite is missing; the message says which."""
+
+
+class SectionFailed(Exception):
+    """The section ran and a figure is out of tolerance (or a run failed); the message says which."""
+
+
+@dataclass
+class Record:
+    section: str
+    status: str  # "ok", "skipped" or "failed"
+    reason: str = ""
+    figures: dict[str, Any] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def line(self) -> str:
+        text = f"{self.section:<14}{self.status}"
+        return text + (f": {self.reason}" if self.reason else "")
+
+
+# ----------------------------------------------------------------------------- prerequisites
+
+
+def cuda_missing() -> str | None:
+    if not torch.cuda.is_available():
+        return "no CUDA device (torch.cuda.is_available() is False)"
+    return None
+
+
+def gpus_missing(needed: int) -> str | None:
+    missing = cuda_missing()
+    if missing:
+        return missing
+    visible = torch.cuda.device_count()
+    if visible < needed:
+        return f"needs {needed} GPUs, {visible} visible"
+    return None
+
+
+def nccl_missing() -> str | None:
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_nccl_available():
+        return "this torch build has no NCCL"
+    return None
+
+
+def te_missing() -> str | None:
+    # find_spec only: importing TE where it cannot work breaks `import megatron.core` (DESIGN §3).
+    if importlib.util.find_spec("transformer_engine") is None:
+        return "Transformer Engine is not installed (pip install transformer-engine[pytorch])"
+    return None
+
+
+def _require(*reasons: str | None) -> None:
+    for reason in reasons:
+        if reason:
+            raise SectionSkipped(reason)
+
+
+# ----------------------------------------------------------------------------- subprocesses
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
+
+
+def _run(command: list[str], deadline: float, log: Path) -> str:
+    """Run ``command`` until ``deadline`` (time.monotonic()); its output goes to ``log`` and is
+    returned. A non-zero exit or the deadline is a SectionFailed naming the log."""
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise SectionFailed(f"out of time before {' '.join(command[:6])} ...")
+    try:
+        done = subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True,
+                              timeout=remaining)
+    except subprocess.TimeoutExpired as error:
+        # TimeoutExpired carries bytes even under text=True.
+        partial = [o.decode(errors="replace") if isinstance(o, bytes) else (o or "")
+                   for o in (error.stdout, error.stderr)]
+        log.write_text(f"{command}\ntimed out after {remaining:.0f} s\n" + "\n".join(partial))
+        raise SectionFailed(f"timed out after {remaining:.0f} s ({log})") from error
+    log.write_text(f"{command}\nexit {done.returncode}\n{done.stdout}\n{done.stderr}")
+    if done.returncode != 0:
+        raise SectionFailed(f"exit {done.returncode} ({log}): {done.stderr.strip()[-300:]}")
+    return done.stdout
+
+
+def _cli_train(nproc: int, overrides: list[str], run_dir: Path, deadline: float) -> Path:
+    launcher = [sys.executable]
+    if nproc > 1:
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    command = [*launcher, "-m", "megatron_logra", "train", str(TINY_CONFIG), *overrides,
+               f"run.dir={run_dir}"]
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    _run(command, deadline, run_dir.parent / f"{run_dir.name}.log")
+    return run_dir
+
+
+def _synthetic_data(out: Path, deadline: float) -> Path:
+    data = out / "data"
+    if not (data / "train.jsonl").exists():
+        _run([sys.executable, "tools/make_synthetic_data.py", "--out", str(data), "--num-train",
+              "3000", "--num-eval", "200", "--num-valid", "0", "--vocab-size", "96"],
+             deadline, out / "data.log")
+    return data
+
+
+def _losses(run_dir: Path) -> list[float]:
+    with open(run_dir / "metrics.jsonl") as handle:
+        records = [json.loads(line) for line in handle if line.strip()]
+    return [float(r["loss"]) for r in records if "loss" in r]
+
+
+def _loss_rel_diff(got: list[float], want: list[float]) -> float:
+    if len(got) != len(want) or not want:
+        raise SectionFailed(f"runs logged {len(got)} and {len(want)} losses")
+    return max(abs(a - b) / abs(b) for a, b in zip(got, want, strict=True))
+
+
+def _weight_rel_diff(got_dir: Path, want_dir: Path) -> float:
+    got = torch.load(got_dir / "full_weights.pt", map_location="cpu")
+    want = torch.load(want_dir / "full_weights.pt", map_location="cpu")
+    if sorted(got) != sorted(want):
+        raise SectionFailed("the two runs saved different weight names")
+    return max(float((got[k].double() - want[k].double()).abs().max()
+                     / want[k].double().abs().max().clamp_min(1e-30)) for k in want)
+
+
+def _within(figures: dict[str, Any], name: str, value: float, tolerance: float) -> bool:
+    figures[name] = value
+    figures[f"{name}_tolerance"] = tolerance
+    return value <= tolerance
+
+
+# ----------------------------------------------------------------------------- sections
+
+
+def tp_parity(out: Path) -> dict[str, Any]:
+    """LoGRA on the tiny GPT at TP=2 over NCCL against TP=1, fp32 and bf16."""
+    _require(gpus_missing(2), nccl_missing())
+    deadline = time.monotonic() + BUDGET_S["tp_parity"]
+    data = _synthetic_data(out, deadline)
+    base = ["parallel.device=cuda", "parallel.sp=false", f"data.dir={data}",
+            f"train.steps={PARITY_STEPS}", "train.micro_batch_size=8",
+            "train.global_batch_size=16", "optimizer.name=logra", "run.save_full_weights=true"]
+    figures: dict[str, Any] = {}
+    bad = []
+    for dtype, loss_tol, weight_tol in (("fp32", FP32_TP_LOSS_RTOL, FP32_TP_WEIGHT_RTOL),
+                                        ("bf16", BF16_TP_LOSS_RTOL, BF16_TP_WEIGHT_RTOL)):
+        runs = {tp: _cli_train(tp, [*base, f"parallel.tp={tp}", f"model.params_dtype={dtype}"],
+                               out / "tp_parity" / f"{dtype}_tp{tp}", deadline) for tp in (1, 2)}
+        figures[f"{dtype}_losses_tp1"] = _losses(runs[1])
+        figures[f"{dtype}_losses_tp2"] = _losses(runs[2])
+        loss = _loss_rel_diff(figures[f"{dtype}_losses_tp2"], figures[f"{dtype}_losses_tp1"])
+        weight = _weight_rel_diff(runs[2], runs[1])
+        if not _within(figures, f"{dtype}_loss_rel_diff", loss, loss_tol):
+            bad.append(f"{dtype} loss differs by {loss:.2e} > {loss_tol:.0e}")
+        if not _within(figures, f"{dtype}_weight_rel_diff", weight, weight_tol):
+            bad.append(f"{dtype} weights differ by {weight:.2e} > {weight_tol:.0e}")
+    if bad:
+        raise SectionFailed("; ".join(bad), figures)
+    return figures
+
+
+def te_spec(out: Path) -> dict[str, Any]:
+    """The Transformer Engine layer spec against Megatron's local spec: bf16, LoGRA, TP=1."""
+    _require(cuda_missing(), te_missing())
+    deadline = time.monotonic() + BUDGET_S["te_spec"]
+    data = _synthetic_data(out, deadline)
+    base = ["parallel.device=cuda", "parallel.tp=1", "parallel.sp=false", f"data.dir={data}",
+            f"train.steps={TE_STEPS}", "train.micro_batch_size=8", "train.global_batch_size=16",
+            "optimizer.name=logra", "model.params_dtype=bf16", "run.save_full_weights=true"]
+    runs = {kind: _cli_train(1, [*base, f"model.attention={kind}"], out / "te_spec" / kind,
+                             deadline) for kind in ("local", "te")}
+    figures: dict[str, Any] = {"losses_local": _losses(runs["local"]),
+                               "losses_te": _losses(runs["te"])}
+    loss = _loss_rel_diff(figures["losses_te"], figures["losses_local"])
+    # Both specs share parameter names, so the weights compare directly (reported, not asserted:
+    # the claim is the losses').
+    figures["weight_rel_diff"] = _weight_rel_diff(runs["te"], runs["local"])
+    figures["transformer_engine"] = importlib.metadata.version("transformer_engine")
+    if not _within(figures, "loss_rel_diff", loss, TE_LOSS_RTOL):
+        raise SectionFailed(f"te loss differs from local by {loss:.2e} > {TE_LOSS_RTOL:.0e}",
+                            figures)
+    return figures
+
+
+def memory(out: Path) -> dict[str, Any]:
+    """Measured peak (torch.cuda.max_memory_allocated) of dense Adam, LoRA and LoGRA on a
+    ~1B-shaped GPT at 4096 tokens, fp32 (what bench_methods and its estimate measure), beside the
+    estimator's per-GPU total."""
+    _require(cuda_missing())
+    deadline = time.monotonic() + BUDGET_S["memory"]
+    stdout = _run([sys.executable, "tools/bench_methods.py", "--device", "cuda", *MEMORY_MODEL,
+                   "--warmup", "1", "--steps", "2", "--no-kernels", "--json"],
+                  deadline, out / "memory.log")
+    result = json.loads(stdout[stdout.index("{"):])
+    figures: dict[str, Any] = {"model": " ".join(MEMORY_MODEL), "precision": "fp32"}
+    for method, r in result["methods"].items():
+        figures[method] = {
+            "memory_source": r["memory_source"],
+            "peak_bytes": r["peak_bytes"],
+            "persistent_bytes": r["persistent_bytes"],
+            "estimate_total_bytes": r["estimate"]["total_bytes"],
+            "estimate_persistent_bytes": r["estimate"]["persistent_bytes"],
+            "peak_over_estimate": r["peak_bytes"] / r["estimate"]["total_bytes"],
+            "step_time_s": r["step_time_s"],
+        }
+    figures["ratios"] = result.get("ratios", {})
+    return figures
+
+
+def master_merge(out: Path) -> dict[str, Any]:
+    """One LoGRA merge of a bf16 weight through each master store, on the GPU."""
+    _require(cuda_missing())
+    deadline = time.monotonic() + BUDGET_S["master_merge"]
+    figures: dict[str, Any] = {}
+    for rows, cols in MERGE_SHAPES:
+        stdout = _run([sys.executable, "tools/bench_master_merge.py", "--device", "cuda",
+                       "--rows", str(rows), "--cols", str(cols), "--sketch-rank", "256",
+                       "--json"], deadline, out / f"master_merge_{rows}x{cols}.log")
+        figures[f"{rows}x{cols}"] = json.loads(stdout)
+    return figures
+
+
+def vllm(out: Path) -> dict[str, Any]:
+    """vLLM on CUDA with low-rank sync: the engine does not exist in the project yet."""
+    raise SectionSkipped("the vLLM engine is not built yet (issue 14)")
+
+
+SECTIONS: dict[str, Callable[[Path], dict[str, Any]]] = {
+    "tp_parity": tp_parity, "te_spec": te_spec, "memory": memory,
+    "master_merge": master_merge, "vllm": vllm,
+}
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def run_section(name: str, out: Path) -> Record:
+    start = time.monotonic()
+    try:
+        record = Record(name, "ok", figures=SECTIONS[name](out))
+    except SectionSkipped as skip:
+        record = Record(name, "skipped", str(skip))
+    except SectionFailed as failure:
+        figures = failure.args[1] if len(failure.args) > 1 else {}
+        record = Record(name, "failed", str(failure.args[0]), figures)
+    record.seconds = round(time.monotonic() - start, 2)
+    return record
+
+
+def environment() -> dict[str, Any]:
+    def version(package: str) -> str | None:
+        try:
+            return importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
+                            capture_output=True, text=True).stdout.strip()
+    cuda = torch.cuda.is_available()
+    return {
+        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "commit": commit or None, "torch": torch.__version__, "cuda": torch.version.cuda,
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        if cuda else [],
+        "transformer_engine": version("transformer_engine"), "vllm": version("vllm"),
+        "megatron_core": version("megatron-core"),
+    }
+
+
+def _figure_line(record: Record) -> str:
+    """The compared figures (with their tolerances) or the measurements, in words. A failed
+    section may hold only some of its figures: print what is there."""
+    f = record.figures
+    if record.section in ("tp_parity", "te_spec"):
+        return "  " + ", ".join(
+            f"{name} {value:.1e}" + (f" (tolerance {f[name + '_tolerance']:.0e})"
+                                     if name + "_tolerance" in f else "")
+            for name, value in f.items() if name.endswith("_rel_diff"))
+    if record.section == "memory":
+        return "\n".join(
+            f"  {m:<11} peak {f[m]['peak_bytes'] / 2**30:7.2f} GiB  estimate "
+            f"{f[m]['estimate_total_bytes'] / 2**30:7.2f} GiB  ({f[m]['peak_over_estimate']:.2f}x)"
+            for m in ("dense_adam", "lora", "logra") if m in f)
+    if record.section == "master_merge" and record.status == "ok":
+        return "\n".join(f"  {shape}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in
+                                                     f[shape]["merge_ms"].items())
+                         for shape in f)
+    return ""
+
+
+def write_report(out: Path, env: dict[str, Any], records: list[Record]) -> str:
+    with open(out / FIGURES_FILE, "w") as handle:
+        handle.write(json.dumps({"section": "environment", "figures": env}) + "\n")
+        for record in records:
+            handle.write(json.dumps(record.__dict__) + "\n")
+    gpus = ", ".join(env["gpus"]) or "none"
+    lines = [f"GPU check {env['time_utc']} commit {env['commit']}: torch {env['torch']} "
+             f"(CUDA {env['cuda']}), GPUs: {gpus}"]
+    for record in records:
+        lines.append(record.line())
+        detail = _figure_line(record) if record.status != "skipped" else ""
+        if detail:
+            lines.append(detail)
+    failed = [r.section for r in records if r.status == "failed"]
+    lines.append(f"{len(records) - len(failed)} of {len(records)} sections passed or skipped"
+                 + (f"; FAILED: {', '.join(failed)}" if failed else ""))
+    text = "\n".join(lines) + "\n"
+    (out / SUMMARY_FILE).write_text(text)
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="\n".join(__doc__.splitlines()[1:]))
+    parser.add_argument("section", choices=["all", *SECTIONS])
+    parser.add_argument("--out", type=Path, default=REPO / "runs" / "gpu_check")
+    args = parser.parse_args(argv)
+    args.out = args.out.resolve()  # the sections' subprocesses run in the repository root
+    args.out.mkdir(parents=True, exist_ok=True)
+    names = list(SECTIONS) if args.section == "all" else [args.section]
+    records = []
+    for name in names:
+        records.append(run_section(name, args.out))
+        print(records[-1].line(), flush=True)  # noqa: T201
+    print(write_report(args.out, environment(), records), end="")  # noqa: T201
+    return 1 if any(r.status == "failed" for r in records) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
