@@ -13,7 +13,11 @@ tensor's largest entry), ``norm_rel_err`` for the ``*_NORM_REL_TOL`` ones (per-t
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
+
+from tests.torchrun import run_torchrun
 
 # ----------------------------------------------------------------------------- override sets
 
@@ -59,6 +63,13 @@ WORKER_LAYOUTS: dict[str, tuple[int, int, bool]] = {
     "tp2_sp": (2, 2, True),
     "tp2_dp2_sp": (4, 2, True),
 }
+
+
+def run_worker_at(layout: str, worker: Path, out: Path, *extra: str) -> None:
+    """Run a worker script that takes ``--tp`` / ``--sp`` / ``--out`` at WORKER_LAYOUTS[layout]."""
+    nproc, tp, sp = WORKER_LAYOUTS[layout]
+    run_torchrun(nproc, [str(worker), *extra, "--tp", str(tp), "--out", str(out),
+                         *(["--sp"] if sp else [])])
 
 
 def tp_sp(tp: int, sp: bool) -> list[str]:

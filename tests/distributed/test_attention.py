@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.layouts import WORKER_LAYOUTS
-from tests.torchrun import WORKERS, run_torchrun
+from tests.layouts import run_worker_at
+from tests.torchrun import WORKERS
 
 pytestmark = pytest.mark.distributed
 
@@ -44,12 +44,8 @@ def measured(request, tmp_path_factory) -> dict:
 
 def _measured(name: str, tmp_path_factory) -> dict:
     if name not in _cache:
-        nproc, tp, sp = WORKER_LAYOUTS[name]
         out = Path(tmp_path_factory.mktemp(f"attention_{name}"))
-        args = [str(WORKERS / "attention_worker.py"), "--tp", str(tp), "--out", str(out)]
-        if sp:
-            args.append("--sp")
-        run_torchrun(nproc, args)
+        run_worker_at(name, WORKERS / "attention_worker.py", out)
         _cache[name] = json.loads((out / "result.json").read_text())
     return _cache[name]
 

@@ -21,6 +21,7 @@ from tests.layouts import (
     LORA_LAYOUT_GRAD_NORM_REL_TOL,
     LORA_LAYOUT_LOSS_REL_TOL,
     WORKER_LAYOUTS,
+    run_worker_at,
 )
 from tests.torchrun import WORKERS, run_torchrun
 
@@ -40,16 +41,10 @@ _runs: dict[str, Path] = {}
 
 def _run(name: str, root: Path) -> Path:
     if name not in _runs:
-        nproc, tp, sp = LAYOUTS[name]
         out = root / name
         out.mkdir()
-        args = [str(WORKERS / "lora_worker.py"), "--case", "measure", "--tp", str(tp),
-                "--out", str(out)]
-        if sp:
-            args.append("--sp")
-        if name == "tp2":
-            args.append("--save")
-        run_torchrun(nproc, args)
+        run_worker_at(name, WORKERS / "lora_worker.py", out, "--case", "measure",
+                      *(["--save"] if name == "tp2" else []))
         _runs[name] = out
     return _runs[name]
 

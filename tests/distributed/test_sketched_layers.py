@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from tests.layouts import WORKER_LAYOUTS as LAYOUTS
-from tests.torchrun import WORKERS, run_torchrun
+from tests.layouts import run_worker_at
+from tests.torchrun import WORKERS
 
 pytestmark = pytest.mark.distributed
 
@@ -33,12 +34,8 @@ _cache: dict[str, dict] = {}
 def measured(request, tmp_path_factory) -> dict:
     name = request.param
     if name not in _cache:
-        nproc, tp, sp = LAYOUTS[name]
         out = Path(tmp_path_factory.mktemp(f"sketched_{name}"))
-        args = [str(WORKERS / "sketched_layers_worker.py"), "--tp", str(tp), "--out", str(out)]
-        if sp:
-            args.append("--sp")
-        run_torchrun(nproc, args)
+        run_worker_at(name, WORKERS / "sketched_layers_worker.py", out)
         _cache[name] = json.loads((out / "result.json").read_text())
     return _cache[name]
 

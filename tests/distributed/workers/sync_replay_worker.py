@@ -76,15 +76,22 @@ def _trainer_state(setup) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tens
     return exact, served
 
 
-def replay(args, groups, variant: str) -> dict:
-    cfg = variant_cfg(args, 1, variant)
-    wire_dtype = VARIANTS[variant][1]
+def _trainer(cfg, groups):
+    """The run's training setup and batches, and the list its LoGRA optimizer's update records
+    are appended to."""
     tokenizer = load_tokenizer(cfg.data.dir)
     schedule = LMBatchSchedule(load_tokens(cfg.data.dir), seq_length=32, global_batch_size=4,
                                seed=cfg.train.seed)
     setup = setup_training(cfg, build_model_chunks(cfg, groups, tokenizer.vocab_size), groups)
     records = []
     setup.logra.update_listener = records.extend
+    return setup, schedule, records
+
+
+def replay(args, groups, variant: str) -> dict:
+    cfg = variant_cfg(args, 1, variant)
+    wire_dtype = VARIANTS[variant][1]
+    setup, schedule, records = _trainer(cfg, groups)
     exact, served = _trainer_state(setup)
     engine = EngineShadow([f"{t.layer_key}.weight" for t in setup.logra.targets],
                           served_dtype=setup.logra.compute_dtype)
@@ -143,12 +150,7 @@ def _global_blocks(setup, groups, tensor_of) -> dict[str, torch.Tensor]:
 
 
 def measure_tp2(args, cfg, groups):
-    tokenizer = load_tokenizer(cfg.data.dir)
-    schedule = LMBatchSchedule(load_tokens(cfg.data.dir), seq_length=32, global_batch_size=4,
-                               seed=cfg.train.seed)
-    setup = setup_training(cfg, build_model_chunks(cfg, groups, tokenizer.vocab_size), groups)
-    records = []
-    setup.logra.update_listener = records.extend
+    setup, schedule, records = _trainer(cfg, groups)
     weights = _global_blocks(setup, groups, lambda t: t.weight)
     engine = EngineShadow(weights, served_dtype=torch.float32)
     for bucket in full_sync_buckets(weights, update_count=0, bucket_bytes=BUCKET_BYTES):
