@@ -13,6 +13,7 @@ tensor's largest entry), ``norm_rel_err`` for the ``*_NORM_REL_TOL`` ones (per-t
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -70,6 +71,19 @@ def run_worker_at(layout: str, worker: Path, out: Path, *extra: str) -> None:
     nproc, tp, sp = WORKER_LAYOUTS[layout]
     run_torchrun(nproc, [str(worker), *extra, "--tp", str(tp), "--out", str(out),
                          *(["--sp"] if sp else [])])
+
+
+_worker_results: dict[tuple[str, str], dict] = {}
+
+
+def worker_result(layout: str, worker: Path, tmp_path_factory) -> dict:
+    """The ``result.json`` of :func:`run_worker_at`, the job launched once per test session."""
+    key = (worker.name, layout)
+    if key not in _worker_results:
+        out = Path(tmp_path_factory.mktemp(f"{worker.stem}_{layout}"))
+        run_worker_at(layout, worker, out)
+        _worker_results[key] = json.loads((out / "result.json").read_text())
+    return _worker_results[key]
 
 
 def tp_sp(tp: int, sp: bool) -> list[str]:

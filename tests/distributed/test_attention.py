@@ -10,12 +10,9 @@ saves in core attention from 1k to 8k tokens (the live-tensor tracker).
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 
-from tests.layouts import run_worker_at
+from tests.layouts import worker_result
 from tests.torchrun import WORKERS
 
 pytestmark = pytest.mark.distributed
@@ -34,7 +31,6 @@ LINEAR_PER_TOKEN_REL_TOL = 0.01
 # saves (measured x3.96 from 1k to 2k tokens); linear storage would give x2.
 LOCAL_DOUBLING_GROWTH_MIN = 3.5
 
-_cache: dict[str, dict] = {}
 
 
 @pytest.fixture(params=LAYOUTS)
@@ -43,11 +39,7 @@ def measured(request, tmp_path_factory) -> dict:
 
 
 def _measured(name: str, tmp_path_factory) -> dict:
-    if name not in _cache:
-        out = Path(tmp_path_factory.mktemp(f"attention_{name}"))
-        run_worker_at(name, WORKERS / "attention_worker.py", out)
-        _cache[name] = json.loads((out / "result.json").read_text())
-    return _cache[name]
+    return worker_result(name, WORKERS / "attention_worker.py", tmp_path_factory)
 
 
 def test_default_core_attention_is_sdpa(measured):

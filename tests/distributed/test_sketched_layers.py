@@ -9,13 +9,10 @@ TP=2 x DP=2 on four processes (the DDP buffer check with data parallelism).
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 
 from tests.layouts import WORKER_LAYOUTS as LAYOUTS
-from tests.layouts import run_worker_at
+from tests.layouts import worker_result
 from tests.torchrun import WORKERS
 
 pytestmark = pytest.mark.distributed
@@ -27,17 +24,11 @@ SKETCH_REL_TOL_FP64 = 1e-12
 INPUT_GRAD_REL_TOL_FP64 = 1e-12
 FP32_BYTES = 4
 
-_cache: dict[str, dict] = {}
 
 
 @pytest.fixture(params=sorted(LAYOUTS))
 def measured(request, tmp_path_factory) -> dict:
-    name = request.param
-    if name not in _cache:
-        out = Path(tmp_path_factory.mktemp(f"sketched_{name}"))
-        run_worker_at(name, WORKERS / "sketched_layers_worker.py", out)
-        _cache[name] = json.loads((out / "result.json").read_text())
-    return _cache[name]
+    return worker_result(request.param, WORKERS / "sketched_layers_worker.py", tmp_path_factory)
 
 
 def test_sketch_equals_dense_gradient_times_projection_transpose(measured):
