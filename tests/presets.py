@@ -48,3 +48,14 @@ def tiny_logra_run(steps: int) -> list[str]:
         f"train.steps={steps}", "train.global_batch_size=8", "optimizer.name=logra",
         "logra.sketch_rank=8",
     ]
+
+
+def tiny_kl_controlled_logra(tp: int, mode: str, data_dir: str) -> list[str]:
+    """The tiny GPT trained by LoGRA (``mode``) under KL control at TP=``tp``, one microbatch of
+    4: the workers that poison one stage of an update start from it."""
+    return [
+        "parallel.device=cpu", f"parallel.tp={tp}", *tiny_gpt(),
+        "train.micro_batch_size=4", "train.global_batch_size=4",
+        "optimizer.name=logra", f"logra.mode={mode}", "logra.kl_control.enabled=true",
+        f"data.dir={data_dir}",
+    ]

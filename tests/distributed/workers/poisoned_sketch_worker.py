@@ -19,17 +19,11 @@ from megatron_logra.mcore.models.gpt import build_model_chunks
 from megatron_logra.mcore.training.forward_backward import forward_backward
 from megatron_logra.mcore.training.setup import setup_training
 from megatron_logra.mcore.training.step import _forward_step
-from tests.presets import tiny_gpt
+from tests.presets import tiny_kl_controlled_logra
 
 
 def build_cfg(args, world: int):
-    overrides = [
-        "parallel.device=cpu", f"parallel.tp={world}", *tiny_gpt(),
-        "train.micro_batch_size=4", "train.global_batch_size=4",
-        "optimizer.name=logra", f"logra.mode={args.mode}", "logra.kl_control.enabled=true",
-        f"data.dir={args.data}",
-    ]
-    return load_config(None, overrides).resolved(world)
+    return load_config(None, tiny_kl_controlled_logra(world, args.mode, args.data)).resolved(world)
 
 
 def measure(args, cfg, groups):

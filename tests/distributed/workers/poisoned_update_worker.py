@@ -33,7 +33,7 @@ from megatron_logra.mcore.training.forward_backward import forward_backward
 from megatron_logra.mcore.training.setup import setup_training
 from megatron_logra.mcore.training.step import _forward_step
 from megatron_logra.train.rl.job import RLJob
-from tests.presets import tiny_gpt
+from tests.presets import tiny_gpt, tiny_kl_controlled_logra
 from tests.torchrun import REPO
 
 RL_CONFIG = REPO / "configs" / "demo_rl_cpu.yaml"
@@ -51,13 +51,7 @@ def rl_cfg(args, world: int):
 
 
 def lm_cfg(args, world: int, mode: str):
-    overrides = [
-        "parallel.device=cpu", f"parallel.tp={world}", *tiny_gpt(),
-        "train.micro_batch_size=4", "train.global_batch_size=4",
-        "optimizer.name=logra", f"logra.mode={mode}", "logra.kl_control.enabled=true",
-        f"data.dir={args.data}",
-    ]
-    return load_config(None, overrides).resolved(world)
+    return load_config(None, tiny_kl_controlled_logra(world, mode, args.data)).resolved(world)
 
 
 def _snapshot(chunks, logra):
