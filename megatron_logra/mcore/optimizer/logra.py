@@ -304,10 +304,12 @@ class LoGRAOptimizer(MegatronOptimizer):
             )
         return False
 
+    def _agreed(self, flags: dict[str, bool]) -> dict[str, bool]:
+        """Each flag ANDed over the model-parallel and data-parallel groups (every rank)."""
+        return agreed_flags(flags, (self.groups.mp, self.groups.dp), self.sketches.data.device)
+
     def _all_ranks_finite(self, flags: dict[str, bool]) -> bool:
-        """AND of ``flags`` over the model-parallel and data-parallel groups (every rank)."""
-        agreed = agreed_flags(flags, (self.groups.mp, self.groups.dp), self.sketches.data.device)
-        return all(agreed.values())
+        return all(self._agreed(flags).values())
 
     def _refuse(self, stage: str, detail: str) -> None:
         """Undo a prepared update (row moments back to before it) and raise."""
@@ -481,7 +483,7 @@ class LoGRAOptimizer(MegatronOptimizer):
             "factor": all(local_finite([factor * step_lr], [step_lr])
                           for factor, step_lr in factors),
         }
-        agreed = agreed_flags(flags, (self.groups.mp, self.groups.dp), self.sketches.data.device)
+        agreed = self._agreed(flags)
         if not agreed["alpha"]:
             self._refuse("step scale", f"alpha={scale} on this rank; it must be finite and >= 0")
         if not agreed["factor"]:
