@@ -10,7 +10,7 @@ here imports torch.
 
 Sections: ``model`` and ``parallel`` (config/model.py); ``optimizer``, ``logra`` with
 ``logra.kl_control``, ``lora`` (config/optim.py); ``rl`` with ``sampling``, ``loss``,
-``advantages``, ``reward`` (and ``reward.math_verify``), ``eval`` (config/rl.py); ``train``,
+``advantages``, ``reward`` (and ``reward.math_verify``), ``eval`` (config/rl.py); ``rollout`` and ``sync`` (config/rollout.py); ``train``,
 ``data``, ``run``, ``checkpoint`` (config/run.py). The names of every choice (targets, direction
 rules, distributions, rewards, ...) are declared here once; the implementing modules map them.
 """
@@ -60,6 +60,14 @@ from megatron_logra.config.rl import (
     RLConfig,
     SamplingConfig,
 )
+from megatron_logra.config.rollout import (
+    ENGINES,
+    PLACEMENTS,
+    SYNC_MODES,
+    SYNC_WIRE_DTYPES,
+    RolloutConfig,
+    SyncConfig,
+)
 from megatron_logra.config.root import COMMAND_DEFAULTS, COMMANDS, Config
 from megatron_logra.config.run import (
     DATA_FORMATS,
@@ -74,12 +82,12 @@ __all__ = [
     "DIRECTIONS",
     "DISTRIBUTIONS", "FAILURE_POLICIES", "LOGRA_MODES", "LR_DECAY_STYLES", "MASTER_WEIGHTS",
     "NATIVE_OPTIMIZERS", "NORMALIZATIONS", "OPTIMIZERS", "PARAMS_DTYPES", "POSITION_EMBEDDINGS",
-    "EVAL_SPLITS", "RECOMPUTES", "RECOMPUTE_METHODS", "REWARDS", "RL_LOSSES", "START_METHODS",
+    "EVAL_SPLITS", "ENGINES", "PLACEMENTS", "SYNC_MODES", "SYNC_WIRE_DTYPES", "RECOMPUTES", "RECOMPUTE_METHODS", "REWARDS", "RL_LOSSES", "START_METHODS",
     "TARGET_NAMES", "UPDATE_FACTOR_DTYPES",
     "AdvantagesConfig", "CheckpointConfig", "Config", "DataConfig", "EvalConfig",
     "GrpoLossConfig", "KLControlConfig", "LoGRAConfig", "LoRAConfig", "LossConfig",
     "MathVerifyConfig", "ModelConfig", "OptimizerConfig", "PaperAdvantageConfig",
-    "PaperLossConfig", "ParallelConfig", "RLConfig", "RewardConfig", "RunConfig",
+    "PaperLossConfig", "ParallelConfig", "RLConfig", "RewardConfig", "RolloutConfig", "RunConfig", "SyncConfig",
     "SamplingConfig", "TrainConfig", "check_key", "config_from_dict", "load_config",
     "parse_override",
 ]

@@ -15,6 +15,7 @@ from megatron_logra.config.optim import (
     OptimizerConfig,
 )
 from megatron_logra.config.rl import RLConfig
+from megatron_logra.config.rollout import RolloutConfig, SyncConfig
 from megatron_logra.config.run import CheckpointConfig, DataConfig, RunConfig, TrainConfig
 
 COMMANDS: tuple[str, ...] = ("train", "sft", "rl")
@@ -38,6 +39,8 @@ class Config:
     logra: LoGRAConfig = field(default_factory=LoGRAConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     rl: RLConfig = field(default_factory=RLConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     run: RunConfig = field(default_factory=RunConfig)
@@ -65,6 +68,7 @@ class Config:
                     f"{name}={value} must be divisible by parallel.tp={p.tp}; change one of them"
                 )
         self._check_low_rank_widths()
+        self._check_rollout_and_sync()
         if self.rl.sampling.max_new_tokens >= m.seq_length:
             raise ValueError(
                 f"rl.sampling.max_new_tokens={self.rl.sampling.max_new_tokens} leaves no room for "
@@ -108,6 +112,47 @@ class Config:
                 f"model.seq_length={m.seq_length} must be divisible by parallel.tp={p.tp} "
                 "with sequence parallelism"
             )
+
+    def _check_rollout_and_sync(self) -> None:
+        """A separate engine's own layout must fit the model, and its sync must be exact."""
+        ro, s, m = self.rollout, self.sync, self.model
+        if not ro.separate:
+            return
+        for name, value in (
+            ("model.num_attention_heads", m.num_attention_heads),
+            ("model.num_query_groups", m.query_groups),
+            ("model.ffn_hidden_size", m.ffn_hidden_size),
+            ("model.make_vocab_size_divisible_by", m.make_vocab_size_divisible_by),
+        ):
+            if value % ro.tp:
+                raise ValueError(f"{name}={value} must be divisible by rollout.tp={ro.tp} (the "
+                                 "engine's tensor-parallel size); change rollout.tp")
+        for key, top_p in (("rl.sampling.top_p", self.rl.sampling.top_p),
+                           ("rl.eval.top_p", self.rl.eval.top_p)):
+            if top_p < 1.0:
+                raise ValueError(
+                    f"{key}={top_p} with rollout.placement=separate: a separate engine returns "
+                    "the untruncated log-probs only, not the nucleus-renormalised ones a top-p "
+                    f"rollout also records; set {key}=1 or rollout.placement=colocated"
+                )
+        mode = s.resolved_mode(self.optimizer.name)
+        if mode == "low_rank" and self.optimizer.name != "logra":
+            raise ValueError(
+                f"sync.mode=low_rank with optimizer.name={self.optimizer.name}: only LoGRA's "
+                "updates are low rank (a factor and a projection seed); use sync.mode=full (or "
+                "auto)"
+            )
+        if s.wire_dtype == "bf16":
+            lossless = (mode == "low_rank" and self.logra.mode == "paper"
+                        and self.logra.update_factor_dtype == "bf16")
+            if not lossless:
+                raise ValueError(
+                    f"sync.wire_dtype=bf16 with sync.mode={mode}, logra.mode={self.logra.mode}, "
+                    f"logra.update_factor_dtype={self.logra.update_factor_dtype}: bf16 on the "
+                    "wire is exact only for paper mode's bf16-rounded factors (library mode "
+                    "merges fp32 factors; a full sync ships exact state in its own dtype); use "
+                    "sync.wire_dtype=fp32"
+                )
 
     def _check_low_rank_widths(self) -> None:
         """A sketch (or an adapter) wider than its layer stores more than the layer's dense
@@ -166,6 +211,11 @@ class Config:
         return dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=dp))
 
     def _derive_for_supervised(self) -> Config:
+        if self.rollout.separate:
+            raise ValueError(
+                "rollout.placement=separate runs a rollout engine for rl; a supervised run "
+                "samples nothing: drop it"
+            )
         if self.rl.updates_per_rollout != 1:
             raise ValueError(
                 f"rl.updates_per_rollout={self.rl.updates_per_rollout} is for rl (several "

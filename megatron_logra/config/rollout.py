@@ -1,0 +1,81 @@
+"""The ``rollout`` section (where the RL run's rollout engine runs) and the ``sync`` section (how
+a separate engine's weights are kept equal to the trainer's; docs/sync.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_logra.config.checks import check_choice, check_positive
+
+PLACEMENTS: tuple[str, ...] = ("colocated", "separate")
+"""colocated: the trainer's ranks sample with their own weights (nothing to sync); separate: an
+engine in its own processes, with its own TP size, kept in step by policy sync."""
+ENGINES: tuple[str, ...] = ("megatron", "vllm")
+SYNC_MODES: tuple[str, ...] = ("auto", "low_rank", "full")
+"""auto: low_rank for LoGRA, full for every other optimizer (their updates are dense)."""
+SYNC_WIRE_DTYPES: tuple[str, ...] = ("fp32", "bf16")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    """Where the RL run generates its rollouts."""
+
+    placement: str = "colocated"
+    engine: str = "megatron"
+    """The separate engine: the built-in Megatron sampler in its own processes, or vLLM."""
+    tp: int = 1
+    """The separate engine's own tensor-parallel size (independent of parallel.tp)."""
+    start_timeout_s: float = 300.0
+    """A separate engine that has not answered this long after its launch is an error."""
+    request_timeout_s: float = 600.0
+    """One request to a separate engine (a generate, a sync record) that takes longer is an
+    error naming the request: never a hang."""
+
+    def validate(self, path: str = "rollout") -> None:
+        check_choice(f"{path}.placement", self.placement, PLACEMENTS)
+        check_choice(f"{path}.engine", self.engine, ENGINES)
+        if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
+            raise ValueError(f"{path}.tp={self.tp!r} must be an integer >= 1 (the engine's "
+                             "tensor-parallel size)")
+        check_positive(f"{path}.start_timeout_s", self.start_timeout_s)
+        check_positive(f"{path}.request_timeout_s", self.request_timeout_s)
+
+    @property
+    def separate(self) -> bool:
+        return self.placement == "separate"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyncConfig:
+    """Policy sync of a separate rollout engine (unused when ``rollout.placement=colocated``)."""
+
+    mode: str = "auto"
+    """low_rank: per target the merged factor and the projection's seed after every update,
+    changed non-targets dense; full: every weight after every update (the baseline)."""
+    wire_dtype: str = "fp32"
+    """dtype of the low-rank factors and dense values on the wire; bf16 is exact only for paper
+    mode with logra.update_factor_dtype=bf16 (library mode merges fp32 factors)."""
+    full_interval: int = 0
+    """A full sync every this many updates (besides the one at start, after a resume and on a
+    checksum mismatch); 0: only those."""
+    check_interval: int = 10
+    """Compare the engine's weight checksums with the trainer's every this many updates (and
+    resync fully on a mismatch); 0: never."""
+    bucket_bytes: int = 256 * 1024 * 1024
+    """A full sync ships the weights in buckets of at most this many bytes."""
+
+    def validate(self, path: str = "sync") -> None:
+        check_choice(f"{path}.mode", self.mode, SYNC_MODES)
+        check_choice(f"{path}.wire_dtype", self.wire_dtype, SYNC_WIRE_DTYPES)
+        for name in ("full_interval", "check_interval", "bucket_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{path}.{name}={value!r} must be an integer")
+        check_positive(f"{path}.full_interval", self.full_interval, allow_zero=True)
+        check_positive(f"{path}.check_interval", self.check_interval, allow_zero=True)
+        check_positive(f"{path}.bucket_bytes", self.bucket_bytes)
+
+    def resolved_mode(self, optimizer_name: str) -> str:
+        if self.mode != "auto":
+            return self.mode
+        return "low_rank" if optimizer_name == "logra" else "full"
