@@ -1,7 +1,9 @@
-"""The two data-parallel collectives of an RL step, with explicit process groups."""
+"""The collectives of an RL step, with explicit process groups: two over data parallelism, one
+that hands rank 0's result (or its error) to every rank."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,3 +27,20 @@ def replica_sum(values: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
         total.zero_()
     dist.all_reduce(total)
     return total
+
+
+def from_world_rank0(call: Callable[[], Any], what: str) -> Any:
+    """``call()`` on world rank 0 (the rank that owns a separate rollout engine), its result on
+    every rank. An exception on rank 0 is raised on every rank, naming ``what`` and the cause,
+    so that no rank waits in a later collective for a rank that failed."""
+    box: list[Any] = [None]
+    if dist.get_rank(dist.group.WORLD) == 0:
+        try:
+            box[0] = ("ok", call())
+        except Exception as error:  # noqa: BLE001 -- re-raised below, on every rank
+            box[0] = ("error", f"{type(error).__name__}: {error}")
+    dist.broadcast_object_list(box, src=0, group=dist.group.WORLD)
+    status, value = box[0]
+    if status != "ok":
+        raise RuntimeError(f"{what} failed on rank 0: {value}")
+    return value

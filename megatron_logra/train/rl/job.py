@@ -43,10 +43,14 @@ from megatron_logra.rl.eval_answers import eval_answers_path, write_eval_answers
 from megatron_logra.rl.presets import build_preset
 from megatron_logra.rl.prompt_schedule import PromptSchedule
 from megatron_logra.rl.rewards import build_reward
+from megatron_logra.rollout.factory import make_engine
 from megatron_logra.train.loop import run
 from megatron_logra.train.metrics import memory_bytes
 from megatron_logra.train.rl.batching import pad_to_length, probe_batch, rl_microbatches
+from megatron_logra.train.rl.collectives import from_world_rank0
+from megatron_logra.train.rl.engine_rollouts import SeparateEngineRollouts
 from megatron_logra.train.rl.evaluation import evaluate
+from megatron_logra.train.rl.policy_sync import PolicySync
 from megatron_logra.train.rl.policy_update import update_policy
 from megatron_logra.train.rl.prompts import PromptEncoder
 from megatron_logra.train.rl.rollouts import collect_rollouts
@@ -92,13 +96,31 @@ class RLJob:
                 ref_chunk.load_state_dict(chunk.state_dict())
                 ref_chunk.requires_grad_(False)
         self.setup = setup_training(cfg, chunks, groups, kl_vocab_size=tokenizer.vocab_size)
-        self.engine = MegatronSampler(self.setup.model_chunks, groups,
-                                      vocab_size=tokenizer.vocab_size)
+        self.separate_engine = None
+        self.sync: PolicySync | None = None
+        if cfg.rollout.separate:
+            # World rank 0 owns the engine; every rank learns whether it started.
+            started: list = []
+
+            def start() -> None:
+                started.append(make_engine(cfg))
+                started[0].start()
+            from_world_rank0(start, "starting the rollout engine")
+            self.separate_engine = started[0] if started else None
+            self.engine = SeparateEngineRollouts(self.separate_engine, groups,
+                                                 vocab_size=tokenizer.vocab_size)
+            self.sync = PolicySync(cfg, self.setup, groups, self.separate_engine)
+        else:
+            self.engine = MegatronSampler(self.setup.model_chunks, groups,
+                                          vocab_size=tokenizer.vocab_size)
         self.reward = build_reward(r.reward)
+        self._resumed_updates = 0
 
     # ------------------------------------------------------------------ the loop's hooks
 
     def initial_records(self, start_step: int) -> list[dict[str, Any]]:
+        self._resumed_updates = start_step * self.cfg.rl.updates_per_rollout
+        self._sync_before_rollouts()
         return [{"step": 0, **self._evaluate(0)}] if start_step == 0 else []
 
     def after_step(self, completed: int) -> dict[str, Any]:
@@ -115,12 +137,21 @@ class RLJob:
 
     def close(self) -> None:
         self.reward.close()
+        if self.separate_engine is not None:
+            self.separate_engine.close()
+
+    def _sync_before_rollouts(self) -> dict[str, Any]:
+        """The full sync a separate engine needs before this process's first rollout."""
+        if self.sync is None:
+            return {}
+        return self.sync.ensure_synced(self._resumed_updates)
 
     # ------------------------------------------------------------------ one step
 
     def step(self, step: int) -> dict[str, Any]:
         cfg, groups, setup = self.cfg, self.groups, self.setup
         start = time.perf_counter()
+        first_sync = self._sync_before_rollouts()
         scored = collect_rollouts(
             self.engine, self.encoder, self.reward, self.preset.advantages,
             self.schedule.step_problems(step), rl=cfg.rl, step=step, groups=groups,
@@ -161,6 +192,11 @@ class RLJob:
         first, update = updates[0], updates[-1]
         clipped = sum(u.sums.clipped_tokens for u in updates)
         clip_tokens = sum(u.sums.tokens for u in updates)
+        sync_metrics = {}
+        if self.sync is not None:
+            sync_metrics = self.sync.after_updates(len(updates))
+            for key in ("sync_bytes", "sync_time_s"):
+                sync_metrics[key] += first_sync.get(key, 0)
         control = setup.kl_control
         kl_metrics = control.metrics(control.realised()) if control is not None else {}
         if groups.device.type == "cuda":
@@ -188,6 +224,7 @@ class RLJob:
             "tokens_per_s": generated / elapsed,
             "mem_bytes": memory_bytes(groups.device),
             **self.preset.advantages.metrics(),
+            **sync_metrics,
         }
 
     def _evaluate(self, step: int) -> dict[str, float]:

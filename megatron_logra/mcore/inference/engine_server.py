@@ -1,0 +1,177 @@
+"""The Megatron rollout engine's processes: ``python -m megatron_logra.mcore.inference.engine_server``.
+
+Started by :class:`megatron_logra.rollout.megatron_engine.MegatronEngine` (never by hand), one
+process per engine TP rank, in a world of their own. Each rank builds the trainer's GPT at the
+engine's layout and keeps an :class:`~megatron_logra.sync.shadow.EngineShadow` of the *full*
+(TP=1) weights: every rank replays every record on blocks of the trainer's shapes, which is
+what makes the shadow exact for any engine TP (docs/sync.md, "What is exact"), and copies its
+own shard of each changed served weight into the model it samples with. Rank 0 serves the
+trainer's connection and broadcasts each request to the other ranks, so every rank executes
+every request in the same order. A request that fails on the engine is answered with the
+error (every rank raises the same one, all execute the same code on the same inputs) and the
+engine keeps serving; a refused sync record changes nothing.
+
+While the trainer is busy (its policy update) rank 0 broadcasts an ``idle`` request every
+``_IDLE_BROADCAST_S`` so the other ranks' collectives never reach the process group's timeout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from multiprocessing.connection import Listener
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_logra.config import config_from_dict
+from megatron_logra.data.run_tokenizer import embedding_rows, load_run_tokenizer
+from megatron_logra.mcore.inference.sampler import MegatronSampler
+from megatron_logra.mcore.models.gpt import build_model_chunks
+from megatron_logra.mcore.models.sharding import (
+    gather_full,
+    global_named_parameters,
+    partition_of,
+    shard_from_full,
+)
+from megatron_logra.mcore.models.sync_state import target_param_names
+from megatron_logra.mcore.process_groups import destroy_parallel, init_parallel
+from megatron_logra.rl.rollout import SamplingParams
+from megatron_logra.rollout.megatron_engine import AUTHKEY_ENV, ENGINE_PROTOCOL
+from megatron_logra.sync.checksum import weight_checksum
+from megatron_logra.sync.records import DenseUpdate, FullSyncBucket, LowRankUpdate
+from megatron_logra.sync.shadow import EngineShadow
+from megatron_logra.sync.wire import decode
+
+logger = logging.getLogger(__name__)
+_IDLE_BROADCAST_S = 30.0
+_PARAMS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class EngineRank:
+    """One engine rank: its model shard, the sampler on it, the full shadow."""
+
+    def __init__(self, cfg, groups) -> None:
+        self.groups = groups
+        tokenizer = load_run_tokenizer(cfg)
+        self.eos_id = tokenizer.eos_id
+        self.chunks = build_model_chunks(cfg, groups, vocab_size=embedding_rows(cfg, tokenizer))
+        self.sampler = MegatronSampler(self.chunks, groups, vocab_size=tokenizer.vocab_size)
+        self.params = dict(global_named_parameters(self.chunks[0]))
+        targets = (target_param_names(cfg.logra.targets, cfg.model.num_layers)
+                   if cfg.optimizer.name == "logra" else [])
+        missing = sorted(set(targets) - self.params.keys())
+        if missing:
+            raise RuntimeError(f"the engine's model has no parameters {missing[:4]}")
+        self.shadow = EngineShadow(targets, served_dtype=_PARAMS_DTYPES[cfg.model.params_dtype])
+        self._full_names: set[str] = set()  # names of the full sync in progress
+
+    def handle(self, op: str, body: Any) -> Any:
+        if op == "hello":
+            if body.get("protocol") != ENGINE_PROTOCOL:
+                raise RuntimeError(f"protocol mismatch: the trainer speaks "
+                                   f"{body.get('protocol')!r}, this engine {ENGINE_PROTOCOL!r}")
+            return {"protocol": ENGINE_PROTOCOL, "tp": self.groups.tp_size,
+                    "targets": sorted(self.shadow.target_names)}
+        if op == "generate":
+            return self._generate(body)
+        if op == "sync":
+            return self._sync(body)
+        if op == "checksums":
+            return {name: weight_checksum(gather_full(param, self.groups.tp,
+                                                      self.groups.tp_size))
+                    for name, param in self.params.items()}
+        if op == "idle":
+            return None
+        raise RuntimeError(f"unknown request {op!r}")
+
+    def _generate(self, body: dict) -> list:
+        params = SamplingParams(max_new_tokens=body["max_new_tokens"],
+                                temperature=body["temperature"], top_p=body["top_p"],
+                                eos_id=self.eos_id)
+        batch = self.sampler.generate(body["prompts"], params, seed=body["seed"])
+        lengths = batch.response_lengths.tolist()
+        return [(batch.response_tokens[i, :n].tolist(), batch.logprobs[i, :n].tolist())
+                for i, n in enumerate(lengths)]
+
+    def _sync(self, payload: bytes) -> dict:
+        record = decode(payload)
+        if isinstance(record, FullSyncBucket):
+            if record.index == 0:
+                self._full_names = set()
+            self._full_names |= set(record.tensors)
+            if record.index == record.num_buckets - 1:
+                known, sent = set(self.params), self._full_names
+                if sent != known:
+                    raise RuntimeError(
+                        f"full sync names differ from the engine's parameters: missing "
+                        f"{sorted(known - sent)[:4]}, unknown {sorted(sent - known)[:4]}")
+            self.shadow.apply(record)
+            changed = list(self.params) if record.index == record.num_buckets - 1 else []
+        elif isinstance(record, LowRankUpdate):
+            self.shadow.apply(record)
+            changed = [record.param_name]
+        elif isinstance(record, DenseUpdate):
+            self.shadow.apply(record)
+            changed = [record.name]
+        else:
+            raise RuntimeError(f"not a sync record: {type(record).__name__}")
+        with torch.no_grad():
+            for name in changed:
+                param = self.params[name]
+                dim, stride = partition_of(param)
+                full = self.shadow.served[name]
+                param.copy_(shard_from_full(full, dim, stride, self.groups.tp_rank,
+                                            self.groups.tp_size))
+        return {"update_count": getattr(record, "update_count", None)}
+
+
+def serve(cfg, port: int, authkey: bytes) -> None:
+    groups = init_parallel(cfg)
+    world = dist.group.WORLD
+    try:
+        rank = EngineRank(cfg, groups)
+        conn = None
+        if groups.world_rank == 0:
+            listener = Listener(("127.0.0.1", port), authkey=authkey)
+            conn = listener.accept()
+        while True:
+            message: list[Any] = [None]
+            if conn is not None:
+                try:
+                    message[0] = conn.recv() if conn.poll(_IDLE_BROADCAST_S) else ("idle", None)
+                except (EOFError, OSError):
+                    message[0] = ("close", None)  # the trainer went away
+            dist.broadcast_object_list(message, src=0, group=world)
+            op, body = message[0]
+            if op == "close":
+                break
+            try:
+                reply = ("ok", rank.handle(op, body))
+            except Exception as error:  # noqa: BLE001 -- answered to the trainer, named there
+                reply = ("error", f"{type(error).__name__}: {error}")
+                logger.warning("request %s failed: %s", op, reply[1])
+            if conn is not None and op != "idle":
+                conn.send(reply)
+    finally:
+        destroy_parallel()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="the engine config (JSON)")
+    parser.add_argument("--port", type=int, required=True, help="rank 0 listens here")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(message)s")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cfg = config_from_dict(json.loads(open(args.config).read())).resolved(world, "rl")
+    serve(cfg, args.port, bytes.fromhex(os.environ[AUTHKEY_ENV]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

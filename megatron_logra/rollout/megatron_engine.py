@@ -1,0 +1,207 @@
+"""The built-in Megatron sampler as a separate rollout engine (``rollout.engine=megatron``).
+
+:class:`MegatronEngine` is the trainer's end: :meth:`start` launches ``rollout.tp`` engine
+processes (``megatron_logra.mcore.inference.engine_server``) with a world of their own (gloo
+or NCCL on their own port, their own TP size, pipeline and data parallel 1), which build the
+same GPT from the same config, and connects to the engine's rank 0 over a local socket
+(``multiprocessing.connection`` with a random authkey). Every call is one message ``(op,
+body)`` and one reply ``("ok", result)`` or ``("error", message)``; sync records travel as the
+bytes of ``megatron_logra.sync.wire.encode``.
+
+Nothing waits forever: the launch has ``rollout.start_timeout_s``, every request
+``rollout.request_timeout_s``, and while waiting the client checks that every engine process
+is alive. A dead engine, a timeout, a protocol version mismatch or a refused record are errors
+that name the cause (and the tail of the engine's log).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from multiprocessing.connection import Client, Connection
+from pathlib import Path
+from typing import Any
+
+from megatron_logra.config import Config
+from megatron_logra.rollout.engine import EngineResponse
+
+ENGINE_PROTOCOL = "megatron_logra.engine/1"
+"""Both ends refuse to talk to another protocol version."""
+AUTHKEY_ENV = "MEGATRON_LOGRA_ENGINE_AUTHKEY"
+# How often the client looks at the engine processes while it waits for a reply (seconds).
+_LIVENESS_POLL_S = 0.5
+_LOG_TAIL_CHARS = 2000
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def engine_config(cfg: Config) -> dict[str, Any]:
+    """The engine's own config as a dict: the trainer's model, tokenizer and seeds, its own
+    layout (``rollout.tp``, no pipeline, one data-parallel rank), sampling in place."""
+    parallel = dataclasses.replace(cfg.parallel, tp=cfg.rollout.tp, pp=1, vpp=None, dp=None,
+                                   sp=False)
+    rollout = dataclasses.replace(cfg.rollout, placement="colocated")
+    checkpoint = dataclasses.replace(cfg.checkpoint, resume=False)
+    data = cfg.to_dict()
+    data.update(parallel=dataclasses.asdict(parallel), rollout=dataclasses.asdict(rollout),
+                checkpoint=dataclasses.asdict(checkpoint))
+    return data
+
+
+class EngineError(RuntimeError):
+    """The rollout engine failed, refused a request or did not answer in time."""
+
+
+class MegatronEngine:
+    """The client of the Megatron engine server; implements ``GenerationEngine``.
+
+    Args:
+        cfg: the trainer's resolved config (``rollout.tp`` and the timeouts are read).
+        log_dir: the engine ranks write their output to ``log_dir/engine_rank<r>.log``.
+    """
+
+    def __init__(self, cfg: Config, log_dir: str | Path) -> None:
+        self.cfg = cfg
+        self.log_dir = Path(log_dir)
+        self._procs: list[subprocess.Popen] = []
+        self._conn: Connection | None = None
+        self._tmp: tempfile.TemporaryDirectory | None = None
+        self.info: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        if self._conn is not None:
+            return
+        ro = self.cfg.rollout
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._tmp = tempfile.TemporaryDirectory(prefix="logra_engine_")
+        config_path = Path(self._tmp.name) / "engine_config.json"
+        config_path.write_text(json.dumps(engine_config(self.cfg)))
+        port, dist_port, authkey = _free_port(), _free_port(), os.urandom(32)
+        for rank in range(ro.tp):
+            env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank),
+                   "WORLD_SIZE": str(ro.tp), "LOCAL_WORLD_SIZE": str(ro.tp),
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(dist_port),
+                   AUTHKEY_ENV: authkey.hex()}
+            for key in ("GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID"):
+                env.pop(key, None)
+            log = open(self.log_dir / f"engine_rank{rank}.log", "w")
+            self._procs.append(subprocess.Popen(
+                [sys.executable, "-m", "megatron_logra.mcore.inference.engine_server",
+                 "--config", str(config_path), "--port", str(port)],
+                env=env, stdout=log, stderr=subprocess.STDOUT,
+            ))
+            log.close()
+        deadline = time.monotonic() + ro.start_timeout_s
+        while self._conn is None:
+            self._check_alive("starting")
+            if time.monotonic() > deadline:
+                self.close()
+                raise EngineError(
+                    f"the rollout engine did not accept a connection within "
+                    f"rollout.start_timeout_s={ro.start_timeout_s} s; raise it or see "
+                    f"{self.log_dir}/engine_rank0.log"
+                )
+            try:
+                self._conn = Client(("127.0.0.1", port), authkey=authkey)
+            except (ConnectionRefusedError, FileNotFoundError):
+                time.sleep(_LIVENESS_POLL_S)
+        self.info = self._call("hello", {"protocol": ENGINE_PROTOCOL},
+                               timeout_s=ro.start_timeout_s)
+        if self.info.get("protocol") != ENGINE_PROTOCOL:
+            self.close()
+            raise EngineError(f"the rollout engine speaks {self.info.get('protocol')!r}, this "
+                              f"trainer {ENGINE_PROTOCOL!r}: run both from one installation")
+
+    def close(self) -> None:
+        if self._conn is not None:
+            try:
+                self._conn.send(("close", None))
+            except OSError:
+                pass
+            self._conn.close()
+            self._conn = None
+        for proc in self._procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self._procs = []
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    # ------------------------------------------------------------------ the protocol
+
+    def generate(self, prompt_token_ids: list[list[int]], *, max_new_tokens: int,
+                 temperature: float, top_p: float, seed: int) -> list[EngineResponse]:
+        result = self._call("generate", {
+            "prompts": [list(map(int, p)) for p in prompt_token_ids],
+            "max_new_tokens": int(max_new_tokens), "temperature": float(temperature),
+            "top_p": float(top_p), "seed": int(seed),
+        })
+        return [(list(tokens), list(logprobs)) for tokens, logprobs in result]
+
+    def apply_sync(self, payload: bytes) -> None:
+        self._call("sync", bytes(payload))
+
+    def weight_checksums(self) -> dict[str, str]:
+        return dict(self._call("checksums", None))
+
+    # ------------------------------------------------------------------ transport
+
+    def _log_tail(self, rank: int) -> str:
+        path = self.log_dir / f"engine_rank{rank}.log"
+        text = path.read_text(errors="replace") if path.exists() else ""
+        return text[-_LOG_TAIL_CHARS:]
+
+    def _check_alive(self, doing: str) -> None:
+        for rank, proc in enumerate(self._procs):
+            code = proc.poll()
+            if code is not None:
+                tail = self._log_tail(rank)
+                self._conn = None
+                self.close()
+                raise EngineError(
+                    f"rollout engine rank {rank} exited with code {code} while {doing}; its "
+                    f"log ends:\n{tail}"
+                )
+
+    def _call(self, op: str, body: Any, *, timeout_s: float | None = None) -> Any:
+        if self._conn is None:
+            raise EngineError(f"rollout engine {op}: the engine is not running (call start())")
+        timeout_s = self.cfg.rollout.request_timeout_s if timeout_s is None else timeout_s
+        try:
+            self._conn.send((op, body))
+        except OSError as error:
+            self._check_alive(f"sending {op}")
+            raise EngineError(f"rollout engine {op}: the connection broke ({error})") from error
+        deadline = time.monotonic() + timeout_s
+        while not self._conn.poll(_LIVENESS_POLL_S):
+            self._check_alive(f"serving {op}")
+            if time.monotonic() > deadline:
+                raise EngineError(
+                    f"rollout engine {op}: no reply within {timeout_s} s "
+                    "(rollout.request_timeout_s); raise it or see the engine logs in "
+                    f"{self.log_dir}"
+                )
+        try:
+            status, result = self._conn.recv()
+        except EOFError as error:
+            self._check_alive(f"serving {op}")
+            raise EngineError(f"rollout engine {op}: the connection closed") from error
+        if status != "ok":
+            raise EngineError(f"rollout engine refused {op}: {result}")
+        return result
