@@ -37,6 +37,12 @@ AUTHKEY_ENV = "MEGATRON_LOGRA_ENGINE_AUTHKEY"
 # How often the client looks at the engine processes while it waits for a reply (seconds).
 _LIVENESS_POLL_S = 0.5
 _LOG_TAIL_CHARS = 2000
+# A closed engine has this long to exit before it is killed.
+_EXIT_TIMEOUT_S = 30
+_LAUNCHER_VARIABLES = frozenset({"GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME",
+                                 "ROLE_WORLD_SIZE", "LOCAL_WORLD_SIZE"})
+# The engine runs this installation's package, wherever the trainer was started from.
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
 
 def _free_port() -> int:
@@ -91,11 +97,16 @@ class MegatronEngine:
         port, dist_port, authkey = _free_port(), _free_port(), os.urandom(32)
         for rank in range(ro.tp):
             env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank),
-                   "WORLD_SIZE": str(ro.tp), "LOCAL_WORLD_SIZE": str(ro.tp),
+                   "WORLD_SIZE": str(ro.tp),
                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(dist_port),
                    AUTHKEY_ENV: authkey.hex()}
-            for key in ("GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID"):
-                env.pop(key, None)
+            for key in list(env):
+                # A trainer under torchrun: its agent's variables would make the engine's
+                # rank 0 join the trainer's rendezvous store instead of creating its own.
+                if key.startswith("TORCHELASTIC_") or key in _LAUNCHER_VARIABLES:
+                    del env[key]
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT,
+                                                              env.get("PYTHONPATH")]))
             log = open(self.log_dir / f"engine_rank{rank}.log", "w")
             self._procs.append(subprocess.Popen(
                 [sys.executable, "-m", "megatron_logra.mcore.inference.engine_server",
@@ -107,7 +118,7 @@ class MegatronEngine:
         while self._conn is None:
             self._check_alive("starting")
             if time.monotonic() > deadline:
-                self.close()
+                self._shutdown(kill=True)
                 raise EngineError(
                     f"the rollout engine did not accept a connection within "
                     f"rollout.start_timeout_s={ro.start_timeout_s} s; raise it or see "
@@ -125,6 +136,10 @@ class MegatronEngine:
                               f"trainer {ENGINE_PROTOCOL!r}: run both from one installation")
 
     def close(self) -> None:
+        self._shutdown(kill=False)
+
+    def _shutdown(self, *, kill: bool) -> None:
+        """Ask the engine to stop (or, once a rank died, kill the rest: they cannot finish)."""
         if self._conn is not None:
             try:
                 self._conn.send(("close", None))
@@ -133,8 +148,10 @@ class MegatronEngine:
             self._conn.close()
             self._conn = None
         for proc in self._procs:
+            if kill and proc.poll() is None:
+                proc.kill()
             try:
-                proc.wait(timeout=30)
+                proc.wait(timeout=_EXIT_TIMEOUT_S)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
@@ -173,7 +190,7 @@ class MegatronEngine:
             if code is not None:
                 tail = self._log_tail(rank)
                 self._conn = None
-                self.close()
+                self._shutdown(kill=True)
                 raise EngineError(
                     f"rollout engine rank {rank} exited with code {code} while {doing}; its "
                     f"log ends:\n{tail}"

@@ -150,3 +150,14 @@ def test_config_choice_names_match_their_implementations():
     assert set(config.REWARDS) == set(rewards._REWARD_CLASSES)
     assert set(config.DIRECTIONS) == set(direction.DIRECTION_RULES)
     assert set(config.MASTER_WEIGHTS) == {"auto", *master_weights.MASTER_MODE_NAMES}
+
+
+@pytest.mark.parametrize("path", sorted((PACKAGE / "rollout").glob("*.py")), ids=lambda p: p.stem)
+def test_rollout_package_imports_no_megatron_and_nothing_of_the_trainer(path):
+    """The engine protocol and its clients load in a process without Megatron (vLLM's venv);
+    the Megatron engine's server side lives in mcore/inference."""
+    imported = _imports(path)
+    assert not [m for m in imported if _is_megatron(m)]
+    ours = [m for m in imported if m.startswith("megatron_logra")]
+    assert all(m.startswith(("megatron_logra.rollout", "megatron_logra.config",
+                             "megatron_logra.sync")) for m in ours), ours

@@ -101,11 +101,11 @@ class PolicySync:
         metrics: dict[str, Any] = {}
         if s.check_interval and self._since_check >= s.check_interval:
             self._since_check = 0
-            match = not self._mismatched()
+            match = not self.mismatched()
             if not match:
                 # The engine drifted (or missed a record): restore it from the exact state.
                 sent += self._full_sync()
-                still = self._mismatched()
+                still = self.mismatched()
                 if still:
                     raise RuntimeError(f"the rollout engine's weights {still[:4]} differ from "
                                        "the trainer's even after a full sync")
@@ -155,7 +155,7 @@ class PolicySync:
                              for name, value in sorted(dense.items())]
         return self._send(payloads, "low-rank policy sync")
 
-    def _mismatched(self) -> list[str]:
+    def mismatched(self) -> list[str]:
         """Names whose served weights differ between the trainer and the engine (collective)."""
         weights = served_weights(self.setup.model_chunks, self.groups)
 

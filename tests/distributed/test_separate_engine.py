@@ -1,0 +1,80 @@
+"""The RL job with a separate rollout engine (the built-in Megatron sampler in its own processes,
+engine TP=1) under a TP=2 trainer, kept in step by low-rank policy sync.
+
+One torchrun job of two trainer processes (plus the engine's own process) runs
+``tests/distributed/workers/separate_engine_worker.py``: library-mode LoGRA with weight decay,
+so every kind of record travels (column-parallel rows, fc1's [gate; up] blocks, row-parallel
+column slices, Adam-trained non-targets dense), 3 RL steps with a checksum comparison after
+each, then the refusals, a forced mismatch and a killed engine.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.torchrun import WORKERS, run_torchrun
+
+pytestmark = pytest.mark.distributed
+
+NUM_STEPS = 3
+# The engine (TP=1) and the trainer (TP=2) sum the row-parallel layers' partial products in a
+# different order, so their fp32 logits differ by rounding (measured: 4.8e-7 in the log-probs
+# after 3 steps). 20x that, and still 1000x below a step's policy change.
+LOGPROB_TP_TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def engine_run(synthetic_data_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("separate_engine")
+    run_torchrun(2, [str(WORKERS / "separate_engine_worker.py"), "--out", str(out),
+                     "--data", str(synthetic_data_dir), "--steps", str(NUM_STEPS),
+                     "--engine-tp", "1"])
+    return json.loads((out / "result.json").read_text())
+
+
+def _assert_rollouts_agree(rollout: dict) -> None:
+    assert rollout["sequences"] > 0
+    assert rollout["tokens_equal"] and rollout["lengths_equal"] and rollout["finished_equal"]
+    assert rollout["max_logprob_diff"] <= LOGPROB_TP_TOLERANCE
+
+
+def test_separate_engines_first_rollout_equals_the_colocated_samplers(engine_run):
+    _assert_rollouts_agree(engine_run["first_rollout"])
+
+
+def test_engine_serves_the_tp2_trainers_weights_bit_for_bit_after_3_low_rank_synced_steps(
+        engine_run):
+    steps = engine_run["steps"]
+    assert len(steps) == NUM_STEPS
+    assert all(step["sync_weights_match"] for step in steps)
+    assert engine_run["mismatches_after_steps"] == []
+    # Not the trivial equality: every target (and the Adam-trained non-targets) moved.
+    assert set(engine_run["targets"]) <= set(engine_run["changed"])
+    assert len(engine_run["changed"]) > len(engine_run["targets"])
+    _assert_rollouts_agree(engine_run["after_steps_rollout"])
+
+
+def test_low_rank_sync_ships_fewer_bytes_than_a_full_sync_and_reports_both(engine_run):
+    for step in engine_run["steps"]:
+        assert 0 < step["sync_bytes"] < step["sync_full_bytes"]
+        assert step["sync_time_s"] > 0
+
+
+def test_engine_refuses_a_repeated_and_a_gapped_update_and_changes_nothing(engine_run):
+    refusals = engine_run["refusals"]
+    assert "(repeated)" in refusals["repeated"] and "refusing update of" in refusals["repeated"]
+    assert "(a gap)" in refusals["gap"]
+    assert engine_run["mismatches_after_refusals"] == []
+
+
+def test_a_checksum_mismatch_triggers_a_full_sync_that_restores_equality(engine_run):
+    forced = engine_run["forced_mismatch"]
+    assert forced["sync_weights_match"] is False
+    assert forced["sync_bytes"] >= forced["sync_full_bytes"]  # the step's records + a full sync
+    assert engine_run["mismatches_after_forced"] == []
+
+
+def test_a_dead_engine_is_an_error_naming_the_rank_and_its_exit(engine_run):
+    assert engine_run["dead_engine"].startswith("rollout engine rank 0 exited with code -9")

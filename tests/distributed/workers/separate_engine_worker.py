@@ -1,0 +1,155 @@
+"""The RL job with its rollout engine in separate processes, kept in step by low-rank sync (run
+with torchrun, 2 processes: trainer TP=2).
+
+Builds the real RL job (tiny GPT, library-mode LoGRA with weight decay, so Adam-trained
+non-targets ship dense) with ``rollout.placement=separate`` and the Megatron engine at
+``--engine-tp``, and records:
+
+* ``first_rollout``: after the start's full sync, the separate engine's rollout of step 0's
+  prompts against the colocated sampler's (``MegatronSampler`` on the trainer's own chunks,
+  same seed): tokens and log-probs, on every rank's share;
+* ``steps``: the sync metrics of ``--steps`` real RL steps (a checksum comparison every
+  update); then the weight check, and whether the targets moved at all;
+* ``after_steps_rollout``: the two rollouts again, on the trained weights;
+* ``refusals``: the engine's answers to the last low-rank record sent again (repeated) and
+  to that record two updates ahead (a gap), and the weight check after them;
+* ``forced_mismatch``: one ulp changed in one element of a trainer target weight outside the
+  optimizer, one more step: its metrics (the check must fail and the full sync restore
+  equality) and the weight check after it;
+* ``dead_engine``: the error a generate raises after engine rank 0 was killed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from harness import Case, run_worker
+
+from megatron_logra.config import load_config
+from megatron_logra.mcore import MegatronSampler
+from megatron_logra.mcore.models.sharding import global_named_parameters
+from megatron_logra.mcore.models.sync_state import served_weights
+from megatron_logra.sync.checksum import weight_checksums
+from megatron_logra.sync.records import LowRankUpdate
+from megatron_logra.sync.wire import decode, encode
+from megatron_logra.train.rl.collectives import from_world_rank0
+from megatron_logra.train.rl.job import RLJob
+from megatron_logra.train.rl.rollouts import sampling_params, step_seed
+from tests.presets import SWIGLU_RMSNORM_NO_BIAS, tiny_gpt
+from tests.torchrun import REPO
+
+RL_CONFIG = REPO / "configs" / "demo_rl_cpu.yaml"
+# One element of a row-parallel target (TP rank 0's column slice) is nudged by one ulp.
+PERTURBED = "decoder.layers.0.mlp.linear_fc2.weight"
+
+
+def cfg_for(args, world: int):
+    overrides = [
+        f"parallel.tp={world}", *tiny_gpt(), *SWIGLU_RMSNORM_NO_BIAS, "train.micro_batch_size=4",
+        f"train.steps={args.steps + 1}", "rl.prompts_per_step=4", "rl.samples_per_prompt=2",
+        "rl.sampling.max_new_tokens=4", "rl.eval.prompts=2", "rl.eval.interval=0",
+        "logra.mode=library", "optimizer.lr=3e-3", "optimizer.weight_decay=0.1",
+        "rollout.placement=separate", f"rollout.tp={args.engine_tp}",
+        "rollout.start_timeout_s=120", "sync.check_interval=1", "sync.bucket_bytes=65536",
+        f"data.dir={args.data}", f"run.dir={args.out / 'run'}",
+    ]
+    return load_config(RL_CONFIG, overrides, command="rl").resolved(world, "rl")
+
+
+def _rollouts(job: RLJob, groups, step: int) -> dict:
+    """Step ``step``'s prompts sampled by the separate engine and by the colocated sampler."""
+    cfg = job.cfg
+    prompts = job.encoder.prompt_ids(job.schedule.step_problems(step))
+    params = sampling_params(cfg.rl, job.encoder.eos_id)
+    seed = step_seed(cfg.rl.seed, step)
+    colocated = MegatronSampler(job.setup.model_chunks, groups, vocab_size=job.vocab_size)
+    ours = job.engine.generate(prompts, params, seed=seed)
+    theirs = colocated.generate(prompts, params, seed=seed)
+    return {
+        "sequences": len(ours),
+        "tokens_equal": torch.equal(ours.response_tokens, theirs.response_tokens),
+        "lengths_equal": torch.equal(ours.response_lengths, theirs.response_lengths),
+        "logprobs_equal": torch.equal(ours.logprobs, theirs.logprobs),
+        "finished_equal": torch.equal(ours.finished, theirs.finished),
+        "max_logprob_diff": float((ours.logprobs - theirs.logprobs).abs().max()),
+    }
+
+
+def measure(args, cfg, groups):
+    job = RLJob(cfg, groups)
+    report: dict = {}
+    try:
+        engine = job.separate_engine
+        sent: list[bytes] = []
+        if engine is not None:  # world rank 0: keep what goes on the wire (the real engine
+            apply = engine.apply_sync  # still applies every record)
+
+            def keep(payload: bytes) -> None:
+                sent.append(payload)
+                apply(payload)
+            engine.apply_sync = keep
+        job.sync.ensure_synced()
+        report["first_rollout"] = _rollouts(job, groups, 0)
+        initial = weight_checksums(served_weights(job.setup.model_chunks, groups).items())
+        report["steps"] = [
+            {k: v for k, v in job.step(step).items() if k.startswith("sync")}
+            for step in range(args.steps)
+        ]
+        final = served_weights(job.setup.model_chunks, groups)
+        report["changed"] = sorted(n for n, d in weight_checksums(final.items()).items()
+                                   if initial[n] != d)
+        report["targets"] = sorted(f"{t.layer_key}.weight" for t in job.setup.logra.targets)
+        report["mismatches_after_steps"] = job.sync.mismatched()
+        report["after_steps_rollout"] = _rollouts(job, groups, args.steps)
+
+        def refuse() -> dict:
+            last = next(p for p in reversed(sent) if isinstance(decode(p), LowRankUpdate))
+            record = decode(last)
+            answers = {}
+            for name, payload in (
+                ("repeated", last),
+                ("gap", encode(dataclasses.replace(record, update_count=record.update_count + 2),
+                               wire_dtype="fp32")),
+            ):
+                try:
+                    apply(payload)
+                    answers[name] = None
+                except Exception as error:  # noqa: BLE001 -- the message is the measurement
+                    answers[name] = str(error)
+            return answers
+        report["refusals"] = from_world_rank0(refuse, "refusals")
+        report["mismatches_after_refusals"] = job.sync.mismatched()
+
+        with torch.no_grad():
+            for chunk in job.setup.model_chunks:
+                for name, param in global_named_parameters(chunk):
+                    if name == PERTURBED and groups.tp_rank == 0:
+                        flat = param.data.view(-1)
+                        flat[:1] = torch.nextafter(flat[:1], torch.full_like(flat[:1], 1e9))
+        report["forced_mismatch"] = {
+            k: v for k, v in job.step(args.steps).items() if k.startswith("sync")}
+        report["mismatches_after_forced"] = job.sync.mismatched()
+
+        def kill_and_generate() -> str:
+            engine._procs[0].kill()
+            engine._procs[0].wait()
+            try:
+                engine.generate([[1, 2]], max_new_tokens=2, temperature=1.0, top_p=1.0, seed=0)
+            except Exception as error:  # noqa: BLE001 -- the message is the measurement
+                return str(error)
+            return "no error"
+        report["dead_engine"] = from_world_rank0(kill_and_generate, "dead engine")
+    finally:
+        job.close()
+    return report
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--data", required=True)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--engine-tp", type=int, default=1)
+
+
+if __name__ == "__main__":
+    run_worker({"separate_engine": Case(cfg_for, measure, world_sizes=(2,))}, add_arguments)

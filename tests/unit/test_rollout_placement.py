@@ -1,0 +1,130 @@
+"""The separate rollout engine's configuration and the trainer-side pieces that need no engine:
+the ``rollout`` / ``sync`` checks name field, value and fix; the RolloutBatch built from an
+engine's responses; the engine's own config; ``make_engine`` naming a missing vLLM client."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import pytest
+import torch
+
+from megatron_logra.config import config_from_dict, load_config
+from megatron_logra.rl.rollout import SamplingParams
+from megatron_logra.rollout.engine import GenerationEngine
+from megatron_logra.rollout.factory import VLLM_CLIENT_MODULE, make_engine
+from megatron_logra.rollout.megatron_engine import MegatronEngine, engine_config
+from megatron_logra.train.rl.engine_rollouts import rollout_batch
+
+SEPARATE = ["rollout.placement=separate", "optimizer.name=logra"]
+
+
+def _refused(overrides: list[str], fragments: list[str], command: str = "rl") -> None:
+    with pytest.raises(ValueError) as info:
+        load_config(None, overrides, command=command).resolved(1, command)
+    for fragment in fragments:
+        assert re.search(re.escape(fragment), str(info.value)), (fragment, str(info.value))
+
+
+def test_colocated_is_the_default_and_auto_sync_is_low_rank_for_logra_full_otherwise():
+    cfg = load_config(None, [])
+    assert cfg.rollout.placement == "colocated" and not cfg.rollout.separate
+    assert cfg.sync.resolved_mode("logra") == "low_rank"
+    assert cfg.sync.resolved_mode("adam") == "full"
+    assert cfg.sync.resolved_mode("lora") == "full"
+
+
+@pytest.mark.parametrize(("overrides", "fragments"), [
+    (["rollout.placement=nearby"], ["rollout.placement='nearby'", "colocated", "separate"]),
+    (["rollout.engine=sglang"], ["rollout.engine='sglang'", "megatron", "vllm"]),
+    (["rollout.tp=0"], ["rollout.tp=0", ">= 1"]),
+    (["sync.mode=delta"], ["sync.mode='delta'", "low_rank"]),
+    (["sync.wire_dtype=fp16"], ["sync.wire_dtype='fp16'", "bf16"]),
+    (["sync.full_interval=-1"], ["sync.full_interval=-1", ">= 0"]),
+    (["sync.check_interval=-2"], ["sync.check_interval=-2", ">= 0"]),
+    (["sync.bucket_bytes=0"], ["sync.bucket_bytes=0", "> 0"]),
+])
+def test_bad_rollout_and_sync_values_are_refused_naming_field_value_and_choices(
+        overrides, fragments):
+    _refused(overrides, fragments)
+
+
+def test_low_rank_sync_is_refused_for_dense_and_lora_optimizers():
+    for name in ("adam", "lora"):
+        _refused(["rollout.placement=separate", f"optimizer.name={name}", "sync.mode=low_rank"],
+                 ["sync.mode=low_rank", f"optimizer.name={name}", "sync.mode=full"])
+    load_config(None, ["rollout.placement=separate", "optimizer.name=adam"]).resolved(1, "rl")
+
+
+def test_bf16_wire_is_refused_where_it_would_round_and_accepted_for_paper_bf16_factors():
+    _refused([*SEPARATE, "logra.mode=library", "sync.wire_dtype=bf16"],
+             ["sync.wire_dtype=bf16", "logra.mode=library", "sync.wire_dtype=fp32"])
+    _refused([*SEPARATE, "logra.mode=paper", "logra.update_factor_dtype=fp32",
+              "sync.wire_dtype=bf16"], ["logra.update_factor_dtype=fp32"])
+    _refused([*SEPARATE, "logra.mode=paper", "sync.mode=full", "sync.wire_dtype=bf16"],
+             ["sync.mode=full"])
+    load_config(None, [*SEPARATE, "logra.mode=paper", "logra.update_factor_dtype=bf16",
+                       "sync.wire_dtype=bf16"]).resolved(1, "rl")
+
+
+def test_engine_tp_must_divide_the_models_heads_and_widths():
+    _refused([*SEPARATE, "model.num_attention_heads=4", "model.num_query_groups=4",
+              "rollout.tp=3"], ["model.num_attention_heads=4", "rollout.tp=3"])
+
+
+def test_top_p_below_one_is_refused_for_a_separate_engine():
+    _refused([*SEPARATE, "rl.sampling.top_p=0.9"], ["rl.sampling.top_p=0.9", "untruncated"])
+    _refused([*SEPARATE, "rl.eval.top_p=0.5"], ["rl.eval.top_p=0.5"])
+
+
+def test_a_supervised_run_refuses_a_separate_engine():
+    _refused(SEPARATE, ["rollout.placement=separate", "drop it"], command="train")
+
+
+def test_the_engines_config_keeps_the_model_and_takes_its_own_layout():
+    cfg = load_config(None, [*SEPARATE, "parallel.tp=2", "parallel.sp=true", "rollout.tp=1",
+                             "checkpoint.resume=true", "checkpoint.dir=ckpt"]).resolved(2, "rl")
+    own = config_from_dict(engine_config(cfg)).resolved(1, "rl")
+    assert (own.parallel.tp, own.parallel.pp, own.parallel.dp, own.parallel.sp) == (1, 1, 1,
+                                                                                    False)
+    assert own.rollout.placement == "colocated" and not own.checkpoint.resume
+    assert own.model == cfg.model and own.logra == cfg.logra and own.rl == cfg.rl
+
+
+def test_rollout_batch_from_engine_responses_keeps_the_share_and_marks_eos_finished():
+    params = SamplingParams(max_new_tokens=3, temperature=0.7, eos_id=9)
+    responses = [([4, 9], [-0.5, -0.25]), ([5, 6, 7], [-1.0, -2.0, -3.0]), ([9], [-0.125])]
+    prompts = [[1], [2, 3], [4]]
+    batch = rollout_batch(responses, prompts, range(1, 3), params)
+    assert batch.sequence_indices == (1, 2)
+    assert batch.prompt_tokens == ((2, 3), (4,))
+    assert batch.response_tokens.tolist() == [[5, 6, 7], [9, 0, 0]]
+    assert batch.response_lengths.tolist() == [3, 1]
+    assert batch.logprobs.tolist() == [[-1.0, -2.0, -3.0], [-0.125, 0.0, 0.0]]
+    assert torch.equal(batch.sampling_logprobs, batch.logprobs)  # top_p = 1: untruncated
+    assert batch.finished.tolist() == [False, True]
+    assert batch.logprob_temperature == 0.7
+    greedy = rollout_batch(responses, prompts, range(3), SamplingParams(max_new_tokens=3,
+                                                                        temperature=0.0))
+    assert (greedy.sampling_logprobs == 0).all() and greedy.logprob_temperature == 1.0
+
+
+def test_rollout_batch_refuses_a_malformed_engine_response():
+    params = SamplingParams(max_new_tokens=2)
+    with pytest.raises(RuntimeError, match="response 0 has 3 tokens and 3 log-probs"):
+        rollout_batch([([1, 2, 3], [0.0, 0.0, 0.0])], [[1]], range(1), params)
+    with pytest.raises(RuntimeError, match="response 0 has 1 tokens and 2 log-probs"):
+        rollout_batch([([1], [0.0, 0.0])], [[1]], range(1), params)
+
+
+def test_make_engine_builds_the_megatron_engine_and_names_a_missing_vllm_client(
+        tmp_path, monkeypatch):
+    cfg = load_config(None, [*SEPARATE, f"run.dir={tmp_path}"])
+    engine = make_engine(cfg)
+    assert isinstance(engine, MegatronEngine) and isinstance(engine, GenerationEngine)
+    monkeypatch.setitem(sys.modules, VLLM_CLIENT_MODULE, None)  # as if the file were absent
+    cfg = load_config(None, [*SEPARATE, "rollout.engine=vllm", f"run.dir={tmp_path}"])
+    with pytest.raises((RuntimeError, ModuleNotFoundError, ImportError)) as info:
+        make_engine(cfg)
+    assert "rollout.engine=vllm" in str(info.value) or VLLM_CLIENT_MODULE in str(info.value)
