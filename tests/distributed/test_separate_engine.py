@@ -59,7 +59,13 @@ def test_engine_serves_the_tp2_trainers_weights_bit_for_bit_after_3_low_rank_syn
 def test_low_rank_sync_ships_fewer_bytes_than_a_full_sync_and_reports_both(engine_run):
     for step in engine_run["steps"]:
         assert 0 < step["sync_bytes"] < step["sync_full_bytes"]
-        assert step["sync_time_s"] > 0
+
+
+def test_the_step_record_splits_its_time_into_rollout_update_and_sync_phases(engine_run):
+    for step in engine_run["steps"]:
+        phases = [step["rollout_time_s"], step["update_time_s"], step["sync_time_s"]]
+        assert all(t > 0 for t in phases)
+        assert sum(phases) <= step["step_time_s"]  # disjoint parts of rank 0's step
 
 
 def test_engine_refuses_a_repeated_and_a_gapped_update_and_changes_nothing(engine_run):

@@ -152,10 +152,12 @@ class RLJob:
         cfg, groups, setup = self.cfg, self.groups, self.setup
         start = time.perf_counter()
         first_sync = self._sync_before_rollouts()
+        rollout_start = time.perf_counter()
         scored = collect_rollouts(
             self.engine, self.encoder, self.reward, self.preset.advantages,
             self.schedule.step_problems(step), rl=cfg.rl, step=step, groups=groups,
         )
+        rollout_done = time.perf_counter()
         padded = pad_to_length(scored.rollout, cfg.model.seq_length, self.encoder.eos_id)
         reference_logprobs = None
         if self.reference is not None:
@@ -192,6 +194,7 @@ class RLJob:
         first, update = updates[0], updates[-1]
         clipped = sum(u.sums.clipped_tokens for u in updates)
         clip_tokens = sum(u.sums.tokens for u in updates)
+        update_done = time.perf_counter()
         sync_metrics = {}
         if self.sync is not None:
             sync_metrics = self.sync.after_updates(len(updates))
@@ -221,6 +224,10 @@ class RLJob:
             **(setup.logra.update_metrics() if setup.logra is not None else {}),
             "tokens": generated,
             "step_time_s": elapsed,
+            # The phases' own times: the rollouts with their rewards; the batching, log-probs
+            # and updates; a separate engine's sync is sync_time_s.
+            "rollout_time_s": rollout_done - rollout_start,
+            "update_time_s": update_done - rollout_done,
             "tokens_per_s": generated / elapsed,
             "mem_bytes": memory_bytes(groups.device),
             **self.preset.advantages.metrics(),

@@ -8,8 +8,8 @@ non-targets ship dense) with ``rollout.placement=separate`` and the Megatron eng
 * ``first_rollout``: after the start's full sync, the separate engine's rollout of step 0's
   prompts against the colocated sampler's (``MegatronSampler`` on the trainer's own chunks,
   same seed): tokens and log-probs, on every rank's share;
-* ``steps``: the sync metrics of ``--steps`` real RL steps (a checksum comparison every
-  update); then the weight check, and whether the targets moved at all;
+* ``steps``: the sync metrics and phase times of ``--steps`` real RL steps (a checksum
+  comparison every update); then the weight check, and whether the targets moved at all;
 * ``after_steps_rollout``: the two rollouts again, on the trained weights;
 * ``refusals``: the engine's answers to the last low-rank record sent again (repeated) and
   to that record two updates ahead (a gap), and the weight check after them;
@@ -42,6 +42,7 @@ from tests.torchrun import REPO
 RL_CONFIG = REPO / "configs" / "demo_rl_cpu.yaml"
 # One element of a row-parallel target (TP rank 0's column slice) is nudged by one ulp.
 PERTURBED = "decoder.layers.0.mlp.linear_fc2.weight"
+TIMES = ("step_time_s", "rollout_time_s", "update_time_s")
 
 
 def cfg_for(args, world: int):
@@ -93,7 +94,7 @@ def measure(args, cfg, groups):
         report["first_rollout"] = _rollouts(job, groups, 0)
         initial = weight_checksums(served_weights(job.setup.model_chunks, groups).items())
         report["steps"] = [
-            {k: v for k, v in job.step(step).items() if k.startswith("sync")}
+            {k: v for k, v in job.step(step).items() if k.startswith("sync") or k in TIMES}
             for step in range(args.steps)
         ]
         final = served_weights(job.setup.model_chunks, groups)
