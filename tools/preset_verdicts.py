@@ -108,6 +108,10 @@ def _yes(flag: bool) -> str:
     return "yes" if flag else "no"
 
 
+def _fits(flag: bool) -> str:
+    return "fits" if flag else "DOES NOT FIT"
+
+
 def preset_block(name: str, estimator: Any | None = None) -> str:
     """The generated header block of one preset, markers included."""
     estimator = estimator or _estimator()
@@ -131,9 +135,11 @@ def preset_block(name: str, estimator: Any | None = None) -> str:
         f"LoRA r256 {_yes(own.fits['lora'])} ({own.lora:.1f} GiB)",
         f"# (LoGRA as configured: logra.mode={cfg.logra.mode}, logra.master_weights={chosen}.) "
         "Every store, both modes",
-        "# (--override logra.master_weights=M --override logra.mode=X); x: LoGRA / LoRA, "
-        "LoGRA / dense Adam:",
-        f"#   dense Adam {own.dense_adam:.1f} GiB, LoRA r=256 {own.lora:.1f} GiB",
+        "# (--override logra.master_weights=M --override logra.mode=X), GiB, whether it fits "
+        "80 GiB,",
+        "# and (LoGRA / LoRA, LoGRA / dense Adam):",
+        f"#   dense Adam {own.dense_adam:.1f} {_fits(own.fits['dense_adam'])}, LoRA r=256 "
+        f"{own.lora:.1f} {_fits(own.fits['lora'])}",
     ]
     for store in MASTER_MODES:
         cells = []
@@ -142,11 +148,11 @@ def preset_block(name: str, estimator: Any | None = None) -> str:
             est = _estimate(estimator, name, [f"logra.master_weights={store}",
                                               f"logra.mode={mode}"])
             host = est.host
-            cells.append(f"{mode} {est.logra:5.1f} ({est.logra / est.lora:.2f}x, "
-                         f"{est.logra / est.dense_adam:.2f}x)")
+            cells.append(f"{mode} {est.logra:4.1f} {_fits(est.fits['logra'])} "
+                         f"({est.logra / est.lora:.2f}x, {est.logra / est.dense_adam:.2f}x)")
         mark = " <- this preset" if store == chosen else ""
-        host_note = f", +{host:.1f} GiB host" if host else ""
-        lines.append(f"#   LoGRA {store:<10} {' | '.join(cells)}{host_note}{mark}")
+        host_note = f"\n#     (+{host:.1f} GiB of host memory per GPU)" if host else ""
+        lines.append(f"#   LoGRA {store:<10} {' | '.join(cells)}{mark}{host_note}")
     lines.append(END)
     return "\n".join(lines)
 
