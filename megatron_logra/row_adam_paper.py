@@ -29,7 +29,8 @@ import torch.distributed as dist
 _TINY = torch.finfo(torch.float32).tiny
 NORM_BLOCK_ELEMENTS = 1 << 22
 """Elements per block of :func:`blockwise_sq_norm`: its float64 temporary is 32 MiB at most,
-instead of a float64 copy of the largest target weight (a 7B fc1 shard: 0.5 GiB, twice)."""
+instead of a float64 copy of the largest target weight and its square (the 7B preset's owned
+fc1 rows: 0.25 GiB each)."""
 
 
 def norm_block_rows(width: int) -> int:
