@@ -66,13 +66,24 @@ def gather_owned_rows_(
     return shard.stride
 
 
+def _owned_slices(shard: RowShard) -> Iterator[slice]:
+    """The rows of each owned piece in the owned ``[O, I]`` tensors, block by block."""
+    for block in range(shard.stride):
+        yield slice(block * shard.chunk_rows, (block + 1) * shard.chunk_rows)
+
+
 class RowMaster(Protocol):
     """The exact master rows this DP rank owns of one bf16 weight."""
 
     shard: RowShard
 
     def fp32_rows(self) -> torch.Tensor:
-        """The owned rows as fp32 ``[O, I]`` (blocks in order), for checkpoints and norms."""
+        """The owned rows as fp32 ``[O, I]`` (blocks in order), for checkpoints."""
+
+    def fp32_row_blocks(self, max_rows: int) -> Iterator[torch.Tensor]:
+        """The owned fp32 rows in order, at most ``max_rows`` at a time, each piece split at
+        the same rows in every store (so a sum over them rounds alike in every mode); for
+        norms, which need no copy of the whole."""
 
     def load_(self, master_OI: torch.Tensor) -> None:
         """Set the owned master rows (fp32) and this rank's rows of the weight from them."""
@@ -117,6 +128,10 @@ class RowShardedMaster:
 
     def fp32_rows(self) -> torch.Tensor:
         return self.master_OI
+
+    def fp32_row_blocks(self, max_rows: int) -> Iterator[torch.Tensor]:
+        for owned in _owned_slices(self.shard):
+            yield from self.master_OI[owned].split(max_rows)
 
     def apply_update_(
         self, direction_OR: torch.Tensor, proj_RI: torch.Tensor, *, lr: float, weight_decay: float
@@ -175,6 +190,13 @@ class RemainderMaster:
             for rows, owned in self._pieces()
         ], dim=0)
 
+    def fp32_row_blocks(self, max_rows: int) -> Iterator[torch.Tensor]:
+        for rows, owned in self._pieces():
+            weight_OI, remainder_OI = self.weight.detach()[rows], self.remainder_OI[owned]
+            for start in range(0, weight_OI.shape[0], max_rows):
+                yield combine_bf16_remainder(weight_OI[start:start + max_rows],
+                                             remainder_OI[start:start + max_rows])
+
     @torch.no_grad()
     def load_(self, master_OI: torch.Tensor) -> None:
         _load_checked(self.remainder_OI, master_OI)
@@ -226,6 +248,10 @@ class HostMaster:
 
     def fp32_rows(self) -> torch.Tensor:
         return self.master_OI
+
+    def fp32_row_blocks(self, max_rows: int) -> Iterator[torch.Tensor]:
+        for owned in _owned_slices(self.shard):
+            yield from self.master_OI[owned].split(max_rows)
 
     def load_(self, master_OI: torch.Tensor) -> None:
         _load_checked(self.master_OI, master_OI)

@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     lay.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
                      help="default: on when tp > 1")
     lay.add_argument("--recompute", choices=RECOMPUTE_MODES,
-                     help="default: selective for presets, none for --config (our trainer)")
+                     help="default: selective for presets, the config's model.recompute for --config")
     lay.add_argument("--num-microbatches", type=int,
                      help="microbatches per step (limits pipeline microbatches in flight)")
     meth = parser.add_argument_group("methods")
@@ -131,8 +131,9 @@ def _config_defaults(args: argparse.Namespace) -> tuple[ModelShape, dict[str, An
         "dp": cfg.parallel.dp,
         "micro_batch_size": cfg.train.micro_batch_size, "seq_length": cfg.model.seq_length,
         "sequence_parallel": cfg.parallel.sp,
-        # Our trainer does not recompute activations.
-        "recompute": "none",
+        # The config's model.recompute (full: the estimate models Megatron's uniform method
+        # with one layer per checkpoint, the trainer's default).
+        "recompute": cfg.model.recompute,
         "global_batch_size": cfg.train.global_batch_size,
     }
     settings = MethodSettings(

@@ -13,8 +13,8 @@ the saved activations of one step:
 * ``gradients``: fp32 gradient buffers (Megatron DDP's ``main_grad``) of what Adam trains.
 * ``optimizer_state``: Adam's m and v, fp32 master copies, LoGRA's fp32 masters and row moments.
 * ``sketches``: LoGRA's fp32 ``[m_local, r]`` sketch of every target.
-* ``projections``: LoGRA's fp32 ``[r, n_local]`` projection of every target (regenerated from a
-  seed after each update and cached for the step).
+* ``projections``: LoGRA's ``[r, n_local]`` projection of every target, held once in the
+  parameters' dtype (regenerated from a seed after each update and cached for the step).
 * ``activations``: tensors saved for backward, per Korthikanti et al. 2022 ("Reducing Activation
   Recomputation in Large Transformer Models", section 4 and Table 2), generalised to grouped-query
   attention, separate head width, gated MLPs and dropout-free models, and multiplied by the
@@ -22,7 +22,9 @@ the saved activations of one step:
 
 Not modelled (each is small or transient): torch Adam's 4-byte step counter per parameter
 tensor, DDP grad-buffer alignment padding, communication buffers, allocator fragmentation, the
-CUDA context, and temporaries of the optimizer step (e.g. LoGRA's ``D A`` product per target).
+CUDA context, and temporaries of the optimizer step (e.g. LoGRA's ``D A`` product per target, the
+fp32 cast of one projection during the merge, paper mode's float64 weight norm of one
+``NORM_BLOCK_ELEMENTS`` block at a time).
 
 Bytes per parameter, by method and precision (``dp`` = data-parallel size; ``/dp`` only with
 Megatron's distributed optimizer, or for LoGRA's sharded masters):
@@ -42,7 +44,7 @@ LoGRA non-target           like dense Adam ("library" mode), or weights only ("f
 
 plus, per LoGRA target with ``m_local`` rows and ``n_local`` input columns on the rank: a row
 moment of 4 bytes per row (4/dp when sharded), a sketch of ``4 m_local r`` and a projection of
-``4 r n_local`` bytes. Saved activations: a sketched linear keeps ``X A^T`` (r wide) where the
+``e r n_local`` bytes (e = 2 with bf16 parameters, 4 with fp32). Saved activations: a sketched linear keeps ``X A^T`` (r wide) where the
 dense one keeps its input X (n_local wide); a LoRA linear keeps X and ``X A^T`` of its adapter.
 
 In ``bf16_sharded_master`` mode the sketch is reduce-scattered over data parallelism so that each
@@ -312,7 +314,7 @@ def logra_memory(
     host = FP32_BYTES * params.targets / shard if precision == "bf16_host_master" else 0.0
     state += FP32_BYTES * rows / shard  # RowAdam second moment, one per output row
     sketches = FP32_BYTES * rows * sketch_rank  # full buffer: accumulated before any reduction
-    projections = FP32_BYTES * sketch_rank * cols
+    projections = e * sketch_rank * cols  # held once, in the parameters' dtype
     modes = {name: ("sketched" if name in targets else
                     ("dense" if non_targets == "adam" else "frozen")) for name in TARGET_LINEARS}
     activations = stage_activation_bytes(

@@ -88,8 +88,10 @@ def test_sharded_masters_hold_a_one_over_dp_share_per_rank(runs):
     targets = [t for name, t in weights.items() if name.endswith(TARGET_SUFFIXES)]
     target_params = sum(t.numel() for t in targets)
     target_rows = sum(t.shape[0] for t in targets)
-    # Every parameter is bf16 (2 B) instead of fp32 (4 B).
+    # Every parameter is bf16 (2 B) instead of fp32 (4 B), and so is the one copy of each
+    # projection the optimizer holds.
     assert all(rank["weights"] * 2 == fp32["weights"] for rank in dp2_runs)
+    assert all(rank["projections"] * 2 == fp32["projections"] for rank in dp2_runs)
     # DP=1 keeps fp32 masters (4 B/param) and row moments (4 B/row) for every target row; each
     # of the two DP=2 ranks keeps exactly half of them. Nothing else differs.
     saved = 4 * target_params // 2 + 4 * target_rows // 2

@@ -183,3 +183,19 @@ def test_master_mode_is_chosen_once_from_the_setting_and_the_weight_dtype(reques
 def test_bf16_master_modes_refuse_fp32_weights_naming_the_fix(requested):
     with pytest.raises(ValueError, match="master_weights=none"):
         master_weights_mode(requested, torch.float32, merge_chunk_mib=1.0)
+
+
+def test_every_store_yields_its_fp32_rows_in_the_same_row_blocks():
+    """Paper mode's weight norm reads the masters block by block: in every store the blocks
+    are the owned fp32 rows, bit for bit and in order, split at the same rows (3 rows per
+    block, which does not divide a stride block's 8, so blocks end at piece boundaries)."""
+    _, masters, generator = _three_masters()
+    want = torch.randn(16, 24, generator=generator)  # fp32 rows no bf16 weight holds alone
+    for master in masters:
+        master.load_(want)
+    shapes = [tuple(b.shape) for b in masters[0].fp32_row_blocks(3)]
+    assert shapes == [(3, 24), (3, 24), (2, 24)] * 2
+    for master in masters:
+        blocks = list(master.fp32_row_blocks(3))
+        assert [tuple(b.shape) for b in blocks] == shapes
+        assert torch.equal(torch.cat(blocks).view(torch.int32), want.view(torch.int32))

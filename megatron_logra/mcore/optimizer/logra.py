@@ -56,6 +56,7 @@ from megatron_logra.mcore.optimizer.logra_state import (
 from megatron_logra.mcore.process_groups import ParallelGroups
 from megatron_logra.mcore.tensor_parallel.sketched_linear import LayerSketch
 from megatron_logra.projection import generate_projection, projection_key
+from megatron_logra.row_adam_paper import blockwise_sq_norm, norm_block_rows
 from megatron_logra.sketch import apply_low_rank_update_, reconstructed_sq_norm
 from megatron_logra.sketch_buffer import FlatSketchBuffer, SketchSlot
 from megatron_logra.step_scale import ProposedUpdate, StepScale
@@ -201,11 +202,13 @@ class LoGRAOptimizer(MegatronOptimizer):
         return self.logra.sketch_rank
 
     def _projection(self, target: SketchTarget) -> torch.Tensor:
-        """A for the current update, in fp32 with values exact in the compute dtype.
+        """A for the current update, held once in the compute (weight) dtype.
 
-        With bf16 weights, A is rounded to bf16 once here, so the forward pass (which projects
-        bf16 activations) and the fp32 update use the same matrix. Rademacher entries with a
-        power-of-4 sketch rank are exact in bf16 anyway.
+        It is drawn in fp32 and rounded to the compute dtype (bf16 with bf16 weights), the
+        rounding the rollout engine reproduces from ``projection_dtype``; the forward pass
+        projects bf16 activations with this tensor and the fp32 update casts it back per
+        layer, exactly. Rademacher entries with a power-of-4 sketch rank are exact in bf16
+        anyway; other ranks and Gaussian entries are rounded, identically for both uses.
         """
         count = self.update_count if self.logra.refresh else 0
         key = projection_key(self.logra.seed, count, target.layer_key)
@@ -218,9 +221,7 @@ class LoGRAOptimizer(MegatronOptimizer):
             dtype=torch.float32,
             device=target.weight.device,
         )
-        if self.compute_dtype != torch.float32:
-            projection = projection.to(self.compute_dtype).float()
-        return projection
+        return projection.to(self.compute_dtype)
 
     def refresh_projections(self) -> None:
         """Regenerate every projection for the current ``update_count``."""
@@ -228,6 +229,8 @@ class LoGRAOptimizer(MegatronOptimizer):
             target.module.logra_sketch.projection = self._projection(target)
 
     def projection_of(self, target: SketchTarget) -> torch.Tensor:
+        """The target's A as held: ``[r, n_local]`` in the compute dtype (cast it to fp32
+        where fp32 arithmetic needs it, one layer at a time)."""
         return target.module.logra_sketch.projection
 
     # ------------------------------------------------------------------ gradients
@@ -408,12 +411,15 @@ class LoGRAOptimizer(MegatronOptimizer):
 
     @torch.no_grad()
     def _weight_sq_norm(self) -> float:
-        """``||W_targets||_F^2`` from the fp32 masters (or the fp32 weights), every share once."""
+        """``||W_targets||_F^2`` from the fp32 masters (or the fp32 weights), every share once,
+        in float64 by row blocks (no float64 copy of a whole weight)."""
         local = torch.zeros((), dtype=torch.float64, device=self.sketches.data.device)
         for target in self.targets:
             master = self.masters.get(target.layer_key)
-            weight = master.fp32_rows() if master is not None else target.weight.detach()
-            local += weight.double().pow(2).sum()
+            rows = norm_block_rows(target.weight.shape[1])
+            blocks = (master.fp32_row_blocks(rows) if master is not None
+                      else target.weight.detach().split(rows))
+            local += blockwise_sq_norm(blocks).to(local.device)
         if dist.get_world_size(self.stats_group) > 1:
             dist.all_reduce(local, group=self.stats_group)
         return float(local.item())
@@ -510,7 +516,8 @@ class LoGRAOptimizer(MegatronOptimizer):
         self._synchronize()
         merge_start = time.perf_counter()
         for target, (direction, step_lr) in zip(self.targets, factors, strict=True):
-            projection = self.projection_of(target)
+            # fp32 for the merge, one layer at a time (exact: A's values are the compute dtype's).
+            projection = self.projection_of(target).float()
             master = self.masters.get(target.layer_key)
             if self.update_listener is not None:
                 records.append(self._sync_record(target, direction, step_lr, weight_decay))

@@ -45,33 +45,23 @@ class LayerSketch:
     Args:
         layer_key: the layer's stable global name.
         projection: ``A`` (column-parallel) or its column slice (row-parallel), ``[r, n_local]``,
-            held in fp32 for the update; its values must be exactly representable in the
-            activation dtype, so forward and update use the same matrix.
+            held once, in the activation dtype (the weights' dtype): the forward projects with
+            it as it is, and the fp32 update and norms cast it per layer when they use it.
+            Its values were rounded through that dtype when it was drawn, so the cast back is
+            exact and forward and update use the same matrix.
         buffer: the flat sketch buffer the layer's rows accumulate into.
     """
 
     def __init__(self, layer_key: str, projection: torch.Tensor, buffer: FlatSketchBuffer):
         self.layer_key = layer_key
         self.buffer = buffer
-        self._projection = projection
-        self._compute_copies: dict[torch.dtype, torch.Tensor] = {}
-
-    @property
-    def projection(self) -> torch.Tensor:
-        return self._projection
-
-    @projection.setter
-    def projection(self, value: torch.Tensor) -> None:
-        self._projection = value
-        self._compute_copies = {}
+        self.projection = projection
 
     def projection_as(self, dtype: torch.dtype) -> torch.Tensor:
-        """The projection in the activation dtype, cast once per refresh, not per microbatch."""
-        if dtype == self._projection.dtype:
-            return self._projection
-        if dtype not in self._compute_copies:
-            self._compute_copies[dtype] = self._projection.to(dtype)
-        return self._compute_copies[dtype]
+        """The projection in ``dtype``: the held tensor when the dtypes agree (always, in a
+        Megatron run: activations come in the weights' dtype), else a transient cast -- never
+        a second cached copy beside the first."""
+        return self.projection if dtype == self.projection.dtype else self.projection.to(dtype)
 
     def accumulate_(self, grad_output_TO: torch.Tensor, projected_TR: torch.Tensor) -> None:
         self.buffer.accumulate_(self.layer_key, grad_output_TO, projected_TR)
