@@ -5,6 +5,15 @@
     python tools/bench_methods.py --procs 2 --tp 2 --sp
     python tools/bench_methods.py --hidden 256 --ffn 1024 --steps 3 --no-kernels
     python tools/bench_methods.py --no-model --kernel-reps 5   # only the backward kernels
+    python tools/bench_methods.py --hidden 1024 --layers 8 --ffn 4096 --micro-batch-size 1 \
+        --seq-length 2048 --recompute selective --methods dense_adam,lora,logra,logra_paper
+    python tools/bench_methods.py --dtype bf16 --master-weights dp_sharded,remainder,host
+
+Methods (``--methods``): ``dense_adam``, ``lora``, ``logra`` (library mode; these three by
+default) and ``logra_paper`` (paper mode with the predicted-KL step control: non-targets frozen,
+the probe's forward-mode JVP before the merge and the realised-KL forward after it, as
+``train``/``rl`` run them). With ``--master-weights``
+naming several modes, every LoGRA method runs once per mode (columns ``logra@remainder``, ...).
 
 Every method trains the same GPT (same initial weights) on the same global batch of random
 tokens. Memory is measured with each method in its own process (or torchrun job, with
@@ -26,16 +35,21 @@ comparison, with the machine's load average. Per method:
   ``step_cpu_time_s``, the median CPU time of the process per step: on a shared machine with
   ``--threads 1`` it counts the work done, not the time spent waiting for a core (with more
   threads it includes OpenMP's spin-waiting at barriers);
-* ``estimate``: the analytic estimator's per-GPU prediction for the same model and layout
-  (:mod:`megatron_logra.memory.estimate`, fp32, no activation recompute).
+* ``host_bytes``: LoGRA's host masters (``logra.master_weights=host``), which live beside the
+  device and are in no device figure above (on CPU the two are the same memory);
+* ``estimate``: the analytic estimator's per-GPU prediction for the same model, layout,
+  precision, master mode and recompute mode (:mod:`megatron_logra.memory.estimate`);
+* LoGRA: ``merge_time_s``, the median wall time of the merge (masters and weights);
+  ``logra_paper``: ``kl_probe_time_s`` (the step scale: the probe's JVP and its predicted KL),
+  ``kl_realised_time_s`` (the realised-KL forward) and their ``kl_share`` of the step time.
 
 Separately (``--no-kernels`` to skip), the backward cost of a sketch against the dense weight
 gradient it replaces: ``H^T (X A^T)`` (plus the projection ``X A^T``) vs ``H^T X``, timed for the
 model's target shapes and for a large realistic layer (hidden 4096, ffn 14336, 8 KV groups,
 T = 4096, r = 256).
 
-Over 500 lines because it is one benchmark's whole driver: the per-method memory processes, the
-rotating timing process, and the one table that compares them (the kernels are bench_kernels).
+The per-method memory processes and the rotating timing process are here; the table that
+compares them is bench_methods_report, the kernels are bench_kernels.
 """
 
 from __future__ import annotations
@@ -58,12 +72,20 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 from bench_kernels import add_kernel_arguments, format_kernels, run_kernels  # noqa: E402
+from bench_methods_report import all_ratios, format_methods, is_logra  # noqa: E402
+from bench_methods_run import (  # noqa: E402
+    METHODS,
+    build,
+    built_settings,
+    estimate,
+    lora_alpha,
+    lora_rank,
+    method_config,
+    stepper,
+)
 
-METHODS = ("dense_adam", "lora", "logra")
-OPTIMIZER_NAMES = {"dense_adam": "adam", "lora": "lora", "logra": "logra"}
-DATA_SEED = 20
-LORA_SEED = 7
-
+from megatron_logra.config.model import ATTENTIONS, PARAMS_DTYPES, RECOMPUTES  # noqa: E402
+from megatron_logra.config.optim import MASTER_WEIGHTS  # noqa: E402
 
 # ----------------------------------------------------------------------------- arguments
 
@@ -83,13 +105,24 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--seq-length", type=int, default=512)
     model.add_argument("--micro-batch-size", type=int, default=2)
     model.add_argument("--microbatches", type=int, default=1, help="per step and DP rank")
+    model.add_argument("--recompute", choices=RECOMPUTES, default="none",
+                       help="model.recompute (full: Megatron's uniform method, 1 layer a group)")
+    model.add_argument("--attention", choices=ATTENTIONS, default="sdpa", help="model.attention")
+    model.add_argument("--dtype", choices=PARAMS_DTYPES, default="fp32",
+                       help="model.params_dtype (bf16: Megatron mixed precision)")
     meth = parser.add_argument_group("methods")
-    meth.add_argument("--methods", default=",".join(METHODS),
+    # logra_paper is asked for by name: its probe passes make the default run (and the GPU
+    # check's memory section, which budgets four processes) longer.
+    meth.add_argument("--methods", default="dense_adam,lora,logra",
                       help=f"comma-separated subset of {','.join(METHODS)}")
     meth.add_argument("--sketch-rank", type=int, default=64, help="LoGRA sketch rank r")
     meth.add_argument("--lora-rank", type=int, help="LoRA rank (default: the sketch rank)")
     meth.add_argument("--lora-alpha", type=float, help="LoRA alpha (default: 2 x its rank)")
     meth.add_argument("--lr", type=float, default=1e-4)
+    meth.add_argument("--master-weights",
+                      help="logra.master_weights of the LoGRA methods, or several, comma-"
+                      f"separated (each a column); from {','.join(MASTER_WEIGHTS)}; default: "
+                      "the config's (auto)")
     lay = parser.add_argument_group("layout")
     lay.add_argument("--procs", type=int, default=1,
                      help="processes per method (torchrun if > 1)")
@@ -105,16 +138,26 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-kernels", action="store_true", help="skip the kernel timings")
     parser.add_argument("--no-model", action="store_true", help="only the kernel timings")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    parser.add_argument("--child", choices=(*METHODS, "timing"), help=argparse.SUPPRESS)
+    parser.add_argument("--child", help=argparse.SUPPRESS)  # a method key, or "timing"
     parser.add_argument("--result", help=argparse.SUPPRESS)
     return parser
 
 
 def _check_args(args: argparse.Namespace) -> list[str]:
+    """The method keys to run: ``dense_adam``, ``lora``, and each LoGRA method as is (one master
+    mode or the config's) or as ``logra@<mode>`` per mode of ``--master-weights``."""
     methods = [m for m in args.methods.split(",") if m]
     for name in methods:
         if name not in METHODS:
             raise ValueError(f"--methods contains {name!r}; choose from {list(METHODS)}")
+    modes = [m for m in (args.master_weights or "").split(",") if m]
+    for mode in modes:
+        if mode not in MASTER_WEIGHTS:
+            raise ValueError(f"--master-weights contains {mode!r}; choose from "
+                             f"{list(MASTER_WEIGHTS)}")
+    if len(modes) > 1:
+        methods = [f"{m}@{mode}" if is_logra(m) else m for m in methods
+                   for mode in (modes if is_logra(m) else [None])]
     for flag in ("layers", "hidden", "heads", "ffn", "vocab", "seq_length", "micro_batch_size",
                  "microbatches", "sketch_rank", "procs", "tp", "steps", "kernel_reps",
                  "large_reps",
@@ -130,84 +173,7 @@ def _check_args(args: argparse.Namespace) -> list[str]:
     return methods
 
 
-def _lora_rank(args: argparse.Namespace) -> int:
-    return args.lora_rank or args.sketch_rank
-
-
-def _lora_alpha(args: argparse.Namespace) -> float:
-    return args.lora_alpha if args.lora_alpha is not None else 2.0 * _lora_rank(args)
-
-
 # ----------------------------------------------------------------------------- one method
-
-
-def _config(args: argparse.Namespace, method: str, world: int) -> Any:
-    from megatron_logra.config import load_config
-
-    dp = world // args.tp
-    overrides = [
-        f"model.num_layers={args.layers}", f"model.hidden_size={args.hidden}",
-        f"model.num_attention_heads={args.heads}", f"model.ffn_hidden_size={args.ffn}",
-        f"model.seq_length={args.seq_length}", "model.activation=swiglu",
-        "model.normalization=RMSNorm", "model.add_bias_linear=false",
-        f"parallel.tp={args.tp}", f"parallel.sp={str(args.sp).lower()}",
-        f"parallel.device={args.device}",
-        f"optimizer.name={OPTIMIZER_NAMES[method]}", f"optimizer.lr={args.lr}",
-        f"lora.lora_rank={_lora_rank(args)}", f"lora.alpha={_lora_alpha(args)}", f"lora.seed={LORA_SEED}",
-        "optimizer.clip_grad=1.0", f"logra.sketch_rank={args.sketch_rank}",
-        f"train.micro_batch_size={args.micro_batch_size}",
-        f"train.global_batch_size={args.micro_batch_size * args.microbatches * dp}",
-        f"train.steps={args.warmup + args.steps + 1}",
-    ]
-    return load_config(None, overrides).resolved(world)
-
-
-def _microbatches(args: argparse.Namespace, groups: Any, device: torch.device) -> list[Any]:
-    """This DP rank's share of one fixed global batch of random tokens (the same for every
-    method and layout)."""
-    from megatron_logra.data.lm_batches import Microbatch
-
-    generator = torch.Generator().manual_seed(DATA_SEED)
-    per_rank = args.micro_batch_size * args.microbatches
-    tokens = torch.randint(0, args.vocab, (per_rank * groups.dp_size, args.seq_length + 1),
-                           generator=generator)
-    mine = tokens[groups.dp_rank * per_rank:(groups.dp_rank + 1) * per_rank].to(device)
-    positions = torch.arange(args.seq_length, device=device).expand(args.micro_batch_size, -1)
-    out = []
-    for start in range(0, per_rank, args.micro_batch_size):
-        window = mine[start:start + args.micro_batch_size]
-        out.append(Microbatch(tokens=window[:, :-1].contiguous(),
-                              labels=window[:, 1:].contiguous(),
-                              loss_mask=torch.ones(window.shape[0], args.seq_length,
-                                                   device=device),
-                              position_ids=positions))
-    return out
-
-
-def _estimate(args: argparse.Namespace, cfg: Any, method: str) -> dict[str, float]:
-    from megatron_logra.memory.estimate import (
-        Layout,
-        dense_adam_memory,
-        logra_memory,
-        lora_memory,
-        shape_from_model_config,
-    )
-
-    shape = shape_from_model_config(cfg.model, vocab_size=args.vocab, name="bench")
-    layout = Layout(tp=args.tp, dp=cfg.parallel.dp, micro_batch_size=args.micro_batch_size,
-                    seq_length=args.seq_length, sequence_parallel=args.sp, recompute="none",
-                    num_microbatches=args.microbatches)
-    distopt = cfg.optimizer.use_distributed_optimizer
-    if method == "dense_adam":
-        est = dense_adam_memory(shape, layout, precision="fp32", distributed_optimizer=distopt)
-    elif method == "lora":
-        est = lora_memory(shape, layout, lora_rank=_lora_rank(args), precision="fp32",
-                          distributed_optimizer=distopt)
-    else:
-        est = logra_memory(shape, layout, sketch_rank=args.sketch_rank, precision="fp32",
-                           distributed_optimizer=distopt)
-    return {"persistent_bytes": est.persistent, "activations_bytes": est.activations,
-            "total_bytes": est.total}
 
 
 def _vm_hwm_bytes() -> int:
@@ -227,11 +193,23 @@ class _MemoryReading:
     source: str
 
 
+HOST = "host_masters"
+"""The tracker's category of LoGRA's host masters: beside the device, in no device figure."""
+
+
+def _host_tensors(setup: Any) -> list[torch.Tensor]:
+    if setup.logra is None:
+        return []
+    return [t for master in setup.logra.masters.values() for t in master.host_tensors()]
+
+
 def _label_persistent(tracker: Any, setup: Any) -> None:
-    """Name what lives between steps: weights, LoRA adapters, gradient buffers; the rest of the
-    live storage (optimizer state, sketches, projections, caches) is ``other_persistent``."""
+    """Name what lives between steps: host masters, weights, LoRA adapters, gradient buffers; the
+    rest of the live storage (optimizer state, sketches, projections, caches) is
+    ``other_persistent``."""
     from megatron_logra.mcore.peft.lora import lora_adapters
 
+    tracker.label(_host_tensors(setup), HOST)
     params = [p for chunk in setup.model_chunks for p in chunk.parameters()]
     tracker.label(params, "weights")
     adapters = lora_adapters(setup.model_chunks)
@@ -239,31 +217,6 @@ def _label_persistent(tracker: Any, setup: Any) -> None:
     tracker.label((getattr(p, "main_grad", None) for p in params), "grads")
     tracker.label((p.grad for p in params), "grads")
     tracker.label_live("other_persistent")
-
-
-def _build(args: argparse.Namespace, method: str, groups: Any) -> Any:
-    """The method's TrainingSetup on a freshly built model (the same initial weights for all)."""
-    from megatron_logra.mcore.models.gpt import build_model_chunks
-    from megatron_logra.mcore.training.setup import setup_training
-
-    cfg = _config(args, method, groups.world_size)
-    chunks = build_model_chunks(cfg, groups, vocab_size=args.vocab)
-    return setup_training(cfg, chunks, groups)
-
-
-def _stepper(args: argparse.Namespace, setup: Any, groups: Any) -> Any:
-    from megatron_logra.mcore.training.step import train_step
-
-    batch = _microbatches(args, groups, groups.device)
-
-    def step() -> float:
-        result = train_step(setup, batch, groups=groups, seq_length=args.seq_length,
-                            micro_batch_size=args.micro_batch_size)
-        if groups.device.type == "cuda":
-            torch.cuda.synchronize()
-        return result.loss
-
-    return step
 
 
 def _gather(mine: dict[str, Any], groups: Any) -> list[dict[str, Any]]:
@@ -274,9 +227,9 @@ def _gather(mine: dict[str, Any], groups: Any) -> list[dict[str, Any]]:
     return [r for r in everyone if r is not None]
 
 
-def _measure_memory(args: argparse.Namespace, method: str, groups: Any) -> dict[str, Any]:
+def _measure_memory(args: argparse.Namespace, key: str, groups: Any) -> dict[str, Any]:
     """One method in this process: build, warm up, then one step with memory accounting."""
-    from megatron_logra.mcore.training.state_bytes import persistent_state_bytes
+    from megatron_logra.mcore.training.state_bytes import DEVICE_CATEGORIES, persistent_state_bytes
     from megatron_logra.memory.live_tensors import LiveTensorTracker
     from megatron_logra.train.metrics import current_rss_bytes
 
@@ -286,22 +239,28 @@ def _measure_memory(args: argparse.Namespace, method: str, groups: Any) -> dict[
     if tracker is not None:
         tracker.__enter__()
     try:
-        setup = _build(args, method, groups)
-        step = _stepper(args, setup, groups)
-        losses = [step() for _ in range(args.warmup)]
+        cfg, setup = build(args, key, groups)
+        step = stepper(args, cfg, setup, groups)
+        losses = [step()[0] for _ in range(args.warmup)]
         gc.collect()
         if tracker is not None:
             _label_persistent(tracker, setup)
             persistent = tracker.live_bytes
             tracker.reset_peak()
-            losses.append(step())
+            losses.append(step()[0])
             report = tracker.report()
-            reading = _MemoryReading(report.peak_bytes, persistent, report.peak_by_category,
-                                     "live-tensor tracker (exact, CPU)")
+            # Host masters live through the whole step (merged in place): the device's peak is
+            # the peak of everything else.
+            by_category = dict(report.peak_by_category)
+            host = by_category.pop(HOST, 0)
+            reading = _MemoryReading(report.peak_bytes - host,
+                                     persistent - report.live_by_category.get(HOST, 0),
+                                     by_category, "live-tensor tracker (exact, CPU)")
         else:
+            # Pinned host masters are not in the CUDA allocator's figures.
             persistent = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-            losses.append(step())
+            losses.append(step()[0])
             peak = torch.cuda.max_memory_allocated()
             reading = _MemoryReading(peak, persistent,
                                      {"persistent": persistent, "step": peak - persistent},
@@ -309,27 +268,34 @@ def _measure_memory(args: argparse.Namespace, method: str, groups: Any) -> dict[
     finally:
         if tracker is not None:
             tracker.__exit__(None, None, None)
+    state = persistent_state_bytes(setup)
     ranks = _gather({
         "peak_bytes": reading.peak_bytes,
         "persistent_bytes": reading.persistent_bytes,
         "peak_by_category": reading.peak_by_category,
         "peak_rss_bytes": _vm_hwm_bytes(),
         "baseline_rss_bytes": baseline_rss,
-        "state_bytes": persistent_state_bytes(setup),
+        "state_bytes": state,
+        "device_state_bytes": sum(state[c] for c in DEVICE_CATEGORIES),
+        "host_bytes": sum(v for c, v in state.items() if c not in DEVICE_CATEGORIES),
     }, groups)
     # The most loaded rank is what has to fit on one device.
     worst = max(ranks, key=lambda r: r["peak_bytes"])
+    fullest = max(ranks, key=lambda r: r["device_state_bytes"])
     return {
-        "method": method,
+        "method": key,
+        "config": built_settings(cfg, setup),
         "memory_source": reading.source,
         "peak_bytes": worst["peak_bytes"],
         "persistent_bytes": worst["persistent_bytes"],
         "peak_by_category": worst["peak_by_category"],
         "peak_rss_bytes": max(r["peak_rss_bytes"] for r in ranks),
         "baseline_rss_bytes": max(r["baseline_rss_bytes"] for r in ranks),
-        "state_bytes": max((r["state_bytes"] for r in ranks), key=lambda s: sum(s.values())),
+        "state_bytes": fullest["state_bytes"],
+        "device_state_bytes": fullest["device_state_bytes"],
+        "host_bytes": max(r["host_bytes"] for r in ranks),
         "losses": losses,
-        "estimate": _estimate(args, _config(args, method, groups.world_size), method),
+        "estimate": estimate(args, cfg, key),
         "world_size": groups.world_size,
         "device": str(groups.device),
         "torch_threads": torch.get_num_threads(),
@@ -339,23 +305,25 @@ def _measure_memory(args: argparse.Namespace, method: str, groups: Any) -> dict[
 def _measure_time(args: argparse.Namespace, methods: list[str], groups: Any) -> dict[str, Any]:
     """All methods in one process, stepped in turn (the order rotating every round), so that
     the machine's background load falls on each method alike."""
-    steps = {m: _stepper(args, _build(args, m, groups), groups) for m in methods}
+    steps = {m: stepper(args, *build(args, m, groups), groups) for m in methods}
     for method in methods:
         for _ in range(args.warmup):
             steps[method]()
-    wall: dict[str, list[float]] = {m: [] for m in methods}
-    cpu: dict[str, list[float]] = {m: [] for m in methods}
+    times: dict[str, dict[str, list[float]]] = {m: {} for m in methods}
     for round_index in range(args.steps):
         shift = round_index % len(methods)
         for method in methods[shift:] + methods[:shift]:
             start, start_cpu = time.perf_counter(), time.process_time()
-            steps[method]()
-            cpu[method].append(time.process_time() - start_cpu)
-            wall[method].append(time.perf_counter() - start)
-    ranks = _gather({"wall": wall, "cpu": cpu}, groups)
-    # The ranks synchronise every step: a step takes as long as its slowest rank.
-    return {kind: {m: [max(r[kind][m][i] for r in ranks) for i in range(args.steps)]
-                   for m in methods} for kind in ("wall", "cpu")}
+            _, parts = steps[method]()
+            cpu = time.process_time() - start_cpu
+            for kind, seconds in {"wall": time.perf_counter() - start, "cpu": cpu,
+                                  **parts}.items():
+                times[method].setdefault(kind, []).append(seconds)
+    ranks = _gather(times, groups)
+    # The ranks synchronise every step: a step (or a collective part of it) takes as long as
+    # its slowest rank.
+    return {m: {kind: [max(r[m][kind][i] for r in ranks) for i in range(args.steps)]
+                for kind in times[m]} for m in methods}
 
 
 def _child_main(args: argparse.Namespace, methods: list[str]) -> int:
@@ -367,7 +335,7 @@ def _child_main(args: argparse.Namespace, methods: list[str]) -> int:
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    groups = init_parallel(_config(args, "dense_adam", world_size_from_env()))
+    groups = init_parallel(method_config(args, "dense_adam", world_size_from_env()))
     try:
         if args.child == "timing":
             result: dict[str, Any] = _measure_time(args, methods, groups)
@@ -398,87 +366,21 @@ def _launch(args: argparse.Namespace, method: str, argv: list[str]) -> dict[str,
         return json.loads(result.read_text())
 
 
-# ----------------------------------------------------------------------------- report
-
-
-def _mib(value: float) -> str:
-    return f"{value / 2**20:,.1f}"
-
-
-def format_methods(results: dict[str, dict[str, Any]], args: argparse.Namespace,
-                   load: tuple[float, float, float]) -> str:
-    names = list(results)
-    any_result = results[names[0]]
-    lines = [
-        f"model: {args.layers} layers, hidden {args.hidden}, ffn {args.ffn} (SwiGLU), "
-        f"{args.heads} heads, vocab {args.vocab}; batch {args.microbatches} x "
-        f"{args.micro_batch_size} x {args.seq_length} tokens per DP rank; tp={args.tp} "
-        f"sp={'on' if args.sp else 'off'} on {args.procs} process(es), "
-        f"{any_result['device']}, {any_result['torch_threads']} threads each",
-        f"methods: dense Adam | LoRA rank {_lora_rank(args)} (alpha {_lora_alpha(args):g}, base "
-        f"frozen, Adam) | LoGRA sketch rank {args.sketch_rank} (library: RowAdam on targets, "
-        "Adam on the rest); fp32",
-        f"memory: {any_result['memory_source']}; time: {args.steps} steps per method after "
-        f"{args.warmup} warm-up, methods in turn; load average {load[0]:.2f} on "
-        f"{os.cpu_count()} CPUs (1 minute)",
-        "",
-        f"{'per device [MiB]':<40}" + "".join(f"{n:>14}" for n in names),
-    ]
-
-    def row(label: str, values: list[str]) -> None:
-        lines.append(f"{label:<40}" + "".join(f"{v:>14}" for v in values))
-
-    row("peak live tensors (measured)", [_mib(results[n]["peak_bytes"]) for n in names])
-    row("  estimate: total", [_mib(results[n]["estimate"]["total_bytes"]) for n in names])
-    row("persistent (measured, step start)", [_mib(results[n]["persistent_bytes"])
-                                              for n in names])
-    row("  state_bytes (weights..projections)",
-        [_mib(sum(results[n]["state_bytes"].values())) for n in names])
-    row("  estimate: persistent", [_mib(results[n]["estimate"]["persistent_bytes"])
-                                   for n in names])
-    categories = sorted({c for n in names for c in results[n]["peak_by_category"]})
-    for category in categories:
-        row(f"  at peak: {category}", [_mib(results[n]["peak_by_category"].get(category, 0))
-                                       for n in names])
-    row("  estimate: activations", [_mib(results[n]["estimate"]["activations_bytes"])
-                                    for n in names])
-    row("peak RSS", [_mib(results[n]["peak_rss_bytes"]) for n in names])
-    row("  RSS before the model", [_mib(results[n]["baseline_rss_bytes"]) for n in names])
-    lines.append(f"{'step time [s] (median)':<40}"
-                 + "".join(f"{results[n]['step_time_s']:>14.3f}" for n in names))
-    lines.append(f"{'step time [s] (fastest)':<40}"
-                 + "".join(f"{results[n]['step_time_min_s']:>14.3f}" for n in names))
-    lines.append(f"{'step time [s] (slowest)':<40}"
-                 + "".join(f"{max(results[n]['step_times_s']):>14.3f}" for n in names))
-    lines.append(f"{'step CPU time [s] (median)':<40}"
-                 + "".join(f"{results[n]['step_cpu_time_s']:>14.3f}" for n in names))
-    if "logra" in results:
-        lines.append("")
-        for other in ("dense_adam", "lora"):
-            if other in results:
-                lines.append(_ratio_line(results["logra"], results[other], other))
-    return "\n".join(lines)
-
-
-def ratios(logra: dict[str, Any], other: dict[str, Any]) -> dict[str, float]:
-    return {
-        "peak_bytes": logra["peak_bytes"] / other["peak_bytes"],
-        "persistent_bytes": logra["persistent_bytes"] / other["persistent_bytes"],
-        "peak_rss_bytes": logra["peak_rss_bytes"] / other["peak_rss_bytes"],
-        "step_time_s": logra["step_time_s"] / other["step_time_s"],
-        "step_time_min_s": logra["step_time_min_s"] / other["step_time_min_s"],
-        "step_cpu_time_s": logra["step_cpu_time_s"] / other["step_cpu_time_s"],
-        "estimate_total_bytes": (logra["estimate"]["total_bytes"]
-                                 / other["estimate"]["total_bytes"]),
-    }
-
-
-def _ratio_line(logra: dict[str, Any], other: dict[str, Any], name: str) -> str:
-    r = ratios(logra, other)
-    return (f"LoGRA / {name}: peak {r['peak_bytes']:.3f} (estimate "
-            f"{r['estimate_total_bytes']:.3f}), persistent {r['persistent_bytes']:.3f}, peak RSS "
-            f"{r['peak_rss_bytes']:.3f}, step time {r['step_time_s']:.3f} (median) / "
-            f"{r['step_time_min_s']:.3f} (fastest), step CPU time {r['step_cpu_time_s']:.3f}")
+def _add_times(result: dict[str, Any], times: dict[str, list[float]]) -> None:
+    median = statistics.median
+    result["step_times_s"] = times["wall"]
+    result["step_time_s"] = median(times["wall"])
+    result["step_time_min_s"] = min(times["wall"])
+    result["step_cpu_times_s"] = times["cpu"]
+    result["step_cpu_time_s"] = median(times["cpu"])
+    for part in ("merge", "kl_probe", "kl_realised"):
+        if part in times:
+            result[f"{part}_time_s"] = median(times[part])
+    if "kl_probe" in times:
+        # Per step, then the median: the parts and their step share the same load.
+        shares = [(p + r) / w for p, r, w in zip(times["kl_probe"], times["kl_realised"],
+                                                 times["wall"], strict=True)]
+        result["kl_share"] = median(shares)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -491,23 +393,23 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(error))
     if args.child:
         return _child_main(args, methods)
+    for key in methods:
+        try:  # the config's own checks, before any process is started
+            method_config(args, key, args.procs)
+        except ValueError as error:
+            parser.error(f"{key}: {error}")
     out: dict[str, Any] = {}
     if not args.no_model:
         results = {m: _launch(args, m, argv) for m in methods}
         times = _launch(args, "timing", argv)
         for method, result in results.items():
-            result["step_times_s"] = times["wall"][method]
-            result["step_time_s"] = statistics.median(times["wall"][method])
-            result["step_time_min_s"] = min(times["wall"][method])
-            result["step_cpu_times_s"] = times["cpu"][method]
-            result["step_cpu_time_s"] = statistics.median(times["cpu"][method])
+            _add_times(result, times[method])
         out["load_average"] = os.getloadavg()
         out["methods"] = results
-        if "logra" in results:
-            out["ratios"] = {f"logra_over_{o}": ratios(results["logra"], results[o])
-                             for o in ("dense_adam", "lora") if o in results}
+        out["ratios"] = all_ratios(results)
         if not args.json:
-            print(format_methods(results, args, out["load_average"]), flush=True)
+            print(format_methods(results, args, lora_rank(args), lora_alpha(args),
+                                 out["load_average"]), flush=True)
     if not args.no_kernels:
         out["kernels"] = run_kernels(args)
         if not args.json:

@@ -2,16 +2,19 @@
 
     python tools/plot_memory_vs_size.py                         # docs/memory_vs_size.png
     python tools/plot_memory_vs_size.py --precision fp32 --out docs/memory_vs_size_fp32.png
-    python tools/plot_memory_vs_size.py --tp 4 --dp 2 --seq-length 2048 --out /tmp/m.png
+    python tools/plot_memory_vs_size.py --tp 4 --dp 2 --seq-length 2048 --out m.png
+    python tools/plot_memory_vs_size.py --master-weights remainder   # one LoGRA master mode
 
 The models are the shapes of the public Qwen2.5 family (0.5B to 72B: grouped-query attention,
 SwiGLU, RMSNorm, q/k/v bias); the numbers come from the analytic estimator
 (:mod:`megatron_logra.memory.estimate`, one GPU of the first pipeline stage) for one Megatron
 layout and precision (``bf16``: Megatron mixed precision, LoGRA with fp32 master shards over
-DP; ``fp32``: fp32 parameters for every method). Left: everything (persistent state + saved activations); right: persistent state only.
-LoGRA is drawn in both of its modes: ``library`` (non-target parameters trained by Adam) and
-``paper`` (non-targets frozen, as LoRA freezes them). The table the plot is drawn from is
-printed too.
+DP; ``fp32``: fp32 parameters for every method). Left: everything (persistent state + saved
+activations); right: persistent state only. LoGRA is drawn in both of its modes: ``library``
+(non-target parameters trained by Adam) and ``paper`` (non-targets frozen, as LoRA freezes them),
+and in bf16 for each master mode of ``--master-weights`` (``logra.master_weights``: fp32 master
+rows on the GPU, int16 remainders, or fp32 rows in host memory -- host bytes are in no GPU
+figure; the table gives them). The table the plot is drawn from is printed too.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ sys.path.insert(0, str(REPO))
 
 from megatron_logra.memory.estimate import (  # noqa: E402
     GIB,
+    LOGRA_PRECISION_OF_MASTER_WEIGHTS,
     PRESETS,
     Layout,
     MemoryBreakdown,
@@ -53,26 +57,55 @@ FAMILY: tuple[ModelShape, ...] = (
     _qwen("qwen2.5-72b", 80, 8192, 29568, 64, 8, 128, 152064, False),
 )
 
-SERIES = ("dense Adam", "LoRA", "LoGRA library", "LoGRA paper")
-STYLES = {"dense Adam": ("tab:red", "o", "-"), "LoRA": ("tab:blue", "s", "-"),
-          "LoGRA library": ("tab:green", "^", "-"), "LoGRA paper": ("tab:green", "v", "--")}
+BASELINES = ("dense Adam", "LoRA")
+LOGRA_MODES = ("library", "paper")
+MODE_COLORS = {"none": "tab:green", "dp_sharded": "tab:green", "remainder": "tab:olive",
+               "host": "tab:cyan"}
+BASELINE_STYLES = {"dense Adam": ("tab:red", "o", "-"), "LoRA": ("tab:blue", "s", "-")}
+DEFAULT_MASTER_WEIGHTS = {"bf16": ("dp_sharded", "remainder", "host"), "fp32": ("none",)}
+"""The LoGRA master modes drawn by default: each bf16 one; fp32 weights are their own masters."""
 
 
-LOGRA_PRECISION = {"bf16": "bf16_sharded_master", "fp32": "fp32"}
+def series_names(master_weights: tuple[str, ...]) -> list[str]:
+    return [*BASELINES, *(f"LoGRA {mode}/{master}" for master in master_weights
+                          for mode in LOGRA_MODES)]
 
 
-def estimates(shape: ModelShape, layout: Layout, rank: int,
-              precision: str) -> dict[str, MemoryBreakdown]:
-    """The four series for one model (distributed optimizer on)."""
-    logra = LOGRA_PRECISION[precision]
-    return {
+def style(series: str) -> tuple[str, str, str]:
+    if series in BASELINE_STYLES:
+        return BASELINE_STYLES[series]
+    mode, master = series.removeprefix("LoGRA ").split("/")
+    return MODE_COLORS[master], "^" if mode == "library" else "v", "-" if mode == "library" else "--"
+
+
+def estimates(shape: ModelShape, layout: Layout, rank: int, precision: str,
+              master_weights: tuple[str, ...]) -> dict[str, MemoryBreakdown]:
+    """Every series for one model (distributed optimizer on)."""
+    out = {
         "dense Adam": dense_adam_memory(shape, layout, precision=precision),
         "LoRA": lora_memory(shape, layout, lora_rank=rank, precision=precision),
-        "LoGRA library": logra_memory(shape, layout, sketch_rank=rank, non_targets="adam",
-                                      precision=logra),
-        "LoGRA paper": logra_memory(shape, layout, sketch_rank=rank, non_targets="frozen",
-                                    precision=logra),
     }
+    for master in master_weights:
+        for mode, non_targets in zip(LOGRA_MODES, ("adam", "frozen"), strict=True):
+            out[f"LoGRA {mode}/{master}"] = logra_memory(
+                shape, layout, sketch_rank=rank, non_targets=non_targets,
+                precision=LOGRA_PRECISION_OF_MASTER_WEIGHTS[master])
+    return out
+
+
+def _master_weights(text: str | None, precision: str) -> tuple[str, ...]:
+    if text is None:
+        return DEFAULT_MASTER_WEIGHTS[precision]
+    modes = tuple(m for m in text.split(",") if m)
+    allowed = DEFAULT_MASTER_WEIGHTS[precision]
+    for mode in modes:
+        if mode not in allowed:
+            raise ValueError(f"--master-weights contains {mode!r}; with --precision {precision} "
+                             f"choose from {list(allowed)}")
+    if not modes:
+        raise ValueError("--master-weights is empty; name one or more of "
+                         f"{list(allowed)}")
+    return modes
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -87,7 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--micro-batch-size", type=int, default=1)
     parser.add_argument("--recompute", default="full", choices=("none", "selective", "full"))
     parser.add_argument("--rank", type=int, default=256, help="LoRA rank = LoGRA sketch rank")
-    parser.add_argument("--precision", default="bf16", choices=sorted(LOGRA_PRECISION))
+    parser.add_argument("--precision", default="bf16", choices=sorted(DEFAULT_MASTER_WEIGHTS))
+    parser.add_argument("--master-weights",
+                        help="LoGRA's logra.master_weights, comma-separated (default: bf16 "
+                        "dp_sharded,remainder,host; fp32 none)")
     parser.add_argument("--gpu-mem-gib", type=float, default=80.0)
     parser.add_argument("--out", default=str(REPO / "docs" / "memory_vs_size.png"))
     return parser
@@ -100,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         layout = Layout(tp=args.tp, dp=args.dp, seq_length=args.seq_length,
                         micro_batch_size=args.micro_batch_size, sequence_parallel=args.tp > 1,
                         recompute=args.recompute)
-        table = [(shape, estimates(shape, layout, args.rank, args.precision))
+        masters = _master_weights(args.master_weights, args.precision)
+        table = [(shape, estimates(shape, layout, args.rank, args.precision, masters))
                  for shape in FAMILY]
     except ValueError as error:
         parser.error(str(error))
@@ -113,8 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [shape.total_parameters() / 1e9 for shape, _ in table]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
     for ax, part in zip(axes, ("total", "persistent"), strict=True):
-        for series in SERIES:
-            color, marker, line = STYLES[series]
+        for series in series_names(masters):
+            color, marker, line = style(series)
             values = [getattr(est[series], part) / GIB for _, est in table]
             ax.plot(sizes, values, color=color, marker=marker, linestyle=line, label=series)
         ax.axhline(args.gpu_mem_gib, color="gray", linestyle=":", linewidth=1)
@@ -126,12 +163,14 @@ def main(argv: list[str] | None = None) -> int:
                      else "persistent state only")
         ax.grid(True, which="both", alpha=0.3)
     axes[0].set_ylabel("per-GPU memory [GiB] (estimate)")
-    axes[0].legend()
+    axes[0].legend(fontsize=8)
     fig.suptitle(
         f"{'bf16 Megatron' if args.precision == 'bf16' else 'fp32 parameters'}, distributed "
         f"optimizer, tp={args.tp} dp={args.dp}"
         f"{' sp' if args.tp > 1 else ''}, {args.micro_batch_size} x {args.seq_length} tokens, "
-        f"recompute {args.recompute}, LoRA rank = sketch rank = {args.rank}")
+        f"recompute {args.recompute}, LoRA rank = sketch rank = {args.rank}"
+        + ("\nLoGRA .../host: masters in host RAM, not in these GPU figures"
+           if "host" in masters else ""))
     fig.tight_layout()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -139,10 +178,15 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"per-GPU memory estimate [GiB], total (persistent); {args.precision}, tp={args.tp} dp={args.dp} "
           f"seq {args.seq_length} recompute {args.recompute}, rank {args.rank}")
-    print(f"{'model':<16}{'params':>9}" + "".join(f"{s:>22}" for s in SERIES))
+    names = series_names(masters)
+    print(f"{'model':<16}{'params':>9}" + "".join(f"{s:>26}" for s in names))
     for shape, est in table:
         print(f"{shape.name:<16}{shape.total_parameters() / 1e9:>8.2f}B" + "".join(
-            f"{est[s].total / GIB:>13.2f} ({est[s].persistent / GIB:>5.2f})" for s in SERIES))
+            f"{est[s].total / GIB:>17.2f} ({est[s].persistent / GIB:>6.2f})" for s in names))
+    if "host" in masters:
+        print("host RAM per GPU of the host masters [GiB]: " + ", ".join(
+            f"{shape.name} {est['LoGRA library/host'].host_optimizer_state / GIB:.2f}"
+            for shape, est in table))
     print(f"wrote {out}")
     return 0
 
