@@ -222,6 +222,15 @@ class RemainderMaster:
         return []
 
 
+MERGE_ROW_ALIGNMENT = 192
+"""Host chunks hold a multiple of this many rows. A CPU GEMM computes rows in register blocks
+(4, 6, 8, 12, 16, 32 or 64 rows, by kernel) and a block's leftover rows with another kernel,
+which rounds differently: on an AVX-512 CPU, chunks of 3 or 5 rows differed from the one-call
+merge in 1-9% of elements, chunks of any multiple of 4 rows in none (docs/LOG.md 2026-12-02).
+192 is a multiple of every one of those blocks, so a chunked merge meets the leftover rows
+exactly where the one-call merge of the same block does."""
+
+
 class HostMaster:
     """``host``: fp32 master rows in host memory (pinned when the weight is on a GPU), merged
     through the device in chunks of ``chunk_rows`` owned rows.
@@ -235,8 +244,11 @@ class HostMaster:
 
     def __init__(self, weight: torch.Tensor, shard: RowShard, *, chunk_rows: int) -> None:
         _check_rows(weight, shard)
-        if chunk_rows <= 0:
-            raise ValueError(f"chunk_rows={chunk_rows} must be positive")
+        if chunk_rows <= 0 or chunk_rows % MERGE_ROW_ALIGNMENT:
+            raise ValueError(
+                f"chunk_rows={chunk_rows} must be a positive multiple of {MERGE_ROW_ALIGNMENT} "
+                "rows (MERGE_ROW_ALIGNMENT), or the chunked merge rounds unlike the one-call one"
+            )
         self.shard = shard
         self.chunk_rows = chunk_rows
         master = torch.cat(
@@ -378,8 +390,9 @@ class HostMasters(_MasterMode):
         self.chunk_bytes = chunk_bytes
 
     def make(self, weight: torch.Tensor, shard: RowShard) -> RowMaster | None:
-        # Rows of fp32 master per chunk; at least one row, whatever the width.
-        chunk_rows = max(1, self.chunk_bytes // (4 * weight.shape[1]))
+        # Rows of fp32 master per chunk, whole multiples of the alignment (at least one).
+        rows = self.chunk_bytes // (4 * weight.shape[1])
+        chunk_rows = max(1, rows // MERGE_ROW_ALIGNMENT) * MERGE_ROW_ALIGNMENT
         return HostMaster(weight, shard, chunk_rows=chunk_rows)
 
 

@@ -8,6 +8,7 @@ import torch
 
 from megatron_logra.bf16_remainder import round_to_bf16
 from megatron_logra.master_weights import (
+    MERGE_ROW_ALIGNMENT,
     HostMaster,
     RemainderMaster,
     RowShardedMaster,
@@ -113,7 +114,8 @@ def test_bf16_weight_keeps_updates_of_1e4_relative_size_through_the_fp32_master(
     )
 
 
-def _three_masters(weight_rows: int = 16, cols: int = 24, *, host_chunk_rows: int = 3):
+def _three_masters(weight_rows: int = 16, cols: int = 24, *,
+                   host_chunk_rows: int = MERGE_ROW_ALIGNMENT):
     """One bf16 start weight, three copies, one master store each (two stride blocks)."""
     generator = torch.Generator().manual_seed(2)
     start = torch.randn(weight_rows, cols, generator=generator).to(torch.bfloat16)
@@ -126,12 +128,15 @@ def _three_masters(weight_rows: int = 16, cols: int = 24, *, host_chunk_rows: in
 
 def test_remainder_and_host_masters_give_the_dp_sharded_weights_bit_for_bit():
     """30 merges with weight decay, each of ~1e-3 relative size: the three stores hold the same
-    fp32 masters and write the same bf16 weights after every merge (the host store merges in
-    chunks of 3 rows, which do not divide a block's 8)."""
-    weights, masters, generator = _three_masters()
+    fp32 masters and write the same bf16 weights after every merge. Two stride blocks of 197 rows:
+    the host store merges each in an aligned chunk of 192 rows and one of 5, which does not divide
+    the block and leaves a row outside every 4-row GEMM block, as the one-call merge does."""
+    rows = 2 * (MERGE_ROW_ALIGNMENT + 5)
+    weights, masters, generator = _three_masters(weight_rows=rows)
+    assert len(masters[2]._chunks(weights[2])) == 4
     sketch_rank = 4
     for _ in range(30):
-        direction = torch.randn(16, sketch_rank, generator=generator)
+        direction = torch.randn(rows, sketch_rank, generator=generator)
         projection = torch.randn(sketch_rank, 24, generator=generator) / sketch_rank**0.5
         for weight, master in zip(weights, masters, strict=True):
             master.merge_(weight, direction, projection, lr=1e-3, weight_decay=0.1,
@@ -140,8 +145,15 @@ def test_remainder_and_host_masters_give_the_dp_sharded_weights_bit_for_bit():
         want = masters[0].fp32_rows().view(torch.int32)
         for master in masters[1:]:
             assert torch.equal(master.fp32_rows().view(torch.int32), want)
-    assert not torch.equal(weights[0], _three_masters()[0][0])
+    assert not torch.equal(weights[0], _three_masters(weight_rows=rows)[0][0])
     assert torch.equal(weights[0], round_to_bf16(masters[0].fp32_rows()))
+
+
+def test_host_chunks_must_be_whole_multiples_of_the_merge_row_alignment():
+    weight = torch.zeros(16, 24, dtype=torch.bfloat16)
+    shard = RowShard(16, stride=2, dp_size=1, dp_rank=0)
+    with pytest.raises(ValueError, match="multiple of 192 rows"):
+        HostMaster(weight, shard, chunk_rows=3)
 
 
 def test_each_store_loads_the_fp32_rows_another_wrote():
