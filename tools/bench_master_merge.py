@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from megatron_logra.master_weights import HostMaster, RemainderMaster, RowShardedMaster
+from megatron_logra.master_weights import HostMasters, RemainderMaster, RowShardedMaster
 from megatron_logra.row_sharding import RowShard
 
 
@@ -55,14 +55,15 @@ def main() -> None:
     projection = (torch.randn(args.sketch_rank, args.cols, generator=generator)
                   / args.sketch_rank**0.5).to(device)
     shard = RowShard(args.rows, stride=1, dp_size=1, dp_rank=0)
-    chunk_rows = max(1, int(args.chunk_mib * 2**20) // (4 * args.cols))
+    host = HostMasters(int(args.chunk_mib * 2**20))  # the store the product builds, its chunking
+    chunk_rows = host.make(start, shard).chunk_rows
     fp32 = start.float()
     rows = {"fp32 addmm (none)": _median_seconds(
         lambda: fp32.addmm_(direction, projection, alpha=-1e-3), args.repeats, device)}
     stores = {
         "dp_sharded": RowShardedMaster,
         "remainder": RemainderMaster,
-        f"host ({chunk_rows} rows/chunk)": lambda w, s: HostMaster(w, s, chunk_rows=chunk_rows),
+        f"host ({chunk_rows} rows/chunk)": host.make,
     }
     for name, make in stores.items():
         weight = start.clone()
