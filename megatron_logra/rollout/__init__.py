@@ -1,0 +1,1 @@
+"""Rollout engines that run outside the trainer's processes."""
