@@ -41,7 +41,7 @@ from megatron_logra.sync.shadow import EngineShadow  # noqa: E402
 from megatron_logra.sync.wire import encode  # noqa: E402
 
 BUCKET_BYTES = 64 * 2**20
-# A per-update factor of this relative size, as LoGRA's updates are (research: 6e-5-1e-4).
+# Factor entries of this size: a small per-update change, as LoGRA's updates are.
 FACTOR_SCALE = 1e-3
 MB = 1e6
 

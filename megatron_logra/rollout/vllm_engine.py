@@ -23,8 +23,8 @@ from megatron_logra.sync.wire import PROTOCOL_VERSION
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_VENV = REPO / ".venv-vllm"
-# Engine start is 24-39 s on a quiet 2-core machine (research/vllm_sync.md); a loaded one can
-# take several times that.
+# Engine start is 24-39 s on a quiet 2-core machine and 156-315 s was measured on a loaded one;
+# 600 s leaves room for a slower one.
 DEFAULT_START_TIMEOUT_S = 600.0
 # One request after start (a generate, a sync, a weight read) on the tiny and small models.
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
