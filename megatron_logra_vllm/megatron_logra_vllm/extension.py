@@ -33,8 +33,17 @@ class LowRankSyncExtension:
         self._logra_shadow = EngineShadow(target_names, served_dtype=model_config.dtype)
         return str(model_config.dtype)
 
-    def megatron_logra_apply(self, payload: bytes) -> list[str]:
-        """Apply one wire-encoded record to the shadow and load what changed into the model."""
+    def megatron_logra_apply(self, payload: bytes) -> tuple[str, list[str] | str]:
+        """Apply one wire-encoded record to the shadow and load what changed into the model:
+        ``("ok", changed names)`` or ``("error", message)``. A refusal is returned, not raised:
+        with TP > 1 a raising worker leaves the other workers' replies queued in vLLM's RPC,
+        and the next call would read them."""
+        try:
+            return "ok", self._apply(payload)
+        except (RuntimeError, ValueError) as error:
+            return "error", str(error)
+
+    def _apply(self, payload: bytes) -> list[str]:
         shadow: EngineShadow = self._logra_shadow
         record = decode(payload)
         shadow.apply(record)  # raises, changing nothing, on an out-of-order record

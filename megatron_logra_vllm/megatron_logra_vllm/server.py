@@ -81,7 +81,12 @@ class Engine:
                 for seq, out in zip(token_ids, outs, strict=True)]
 
     def apply_sync(self, *, payload: bytes) -> list[str]:
-        names = self.llm.collective_rpc("megatron_logra_apply", args=(payload,))[0]
+        replies = self.llm.collective_rpc("megatron_logra_apply", args=(payload,))
+        errors = sorted({value for status, value in replies if status == "error"})
+        if errors:
+            # Every worker checks a record before changing anything, so all refuse alike.
+            raise RuntimeError("; ".join(errors))
+        names = replies[0][1]
         if names:
             # Cached prefixes hold keys and values computed with the old weights: without the
             # reset, a long prompt's log-probs were measured ~2 nats off after an update.

@@ -103,8 +103,13 @@ def test_vllm_generates_tokens_with_their_logprobs(tp1_engine_of_tp2_fp32_traine
     samples = engine.generate(prompts, max_new_tokens=6, temperature=1.0, top_p=1.0, seed=3)
     assert [len(tokens) for tokens, _ in samples] == [6, 6]
     assert all(len(lps) == 6 and all(lp <= 0.0 for lp in lps) for _, lps in samples)
-    # A fixed seed samples the same tokens again (the engine is deterministic per request).
-    assert engine.generate(prompts, max_new_tokens=6, temperature=1.0, top_p=1.0, seed=3) == samples
+    # A fixed seed samples the same tokens again (a per-request generator); their log-probs
+    # agree to fp32 rounding (the second batch's kernels may sum in another order: 1 ulp seen).
+    again = engine.generate(prompts, max_new_tokens=6, temperature=1.0, top_p=1.0, seed=3)
+    assert [tokens for tokens, _ in again] == [tokens for tokens, _ in samples]
+    assert torch.allclose(torch.tensor([lps for _, lps in again]),
+                          torch.tensor([lps for _, lps in samples]),
+                          rtol=0.0, atol=LOGPROB_TOL["float32"])
 
 
 def test_vllm_refuses_repeated_and_gapped_low_rank_updates_and_changes_nothing(synced):
