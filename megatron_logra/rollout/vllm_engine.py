@@ -1,0 +1,186 @@
+"""``VLLMEngine``: a vLLM engine in its own venv and process, kept in step by sync records.
+
+vLLM pins versions that conflict with ours (transformers, numpy, fastapi, ...), so it runs in
+``.venv-vllm`` (``make setup-vllm``) as ``megatron_logra_vllm.server``; this client starts it,
+speaks to it over two pipes (pickled plain values; records as their wire bytes) and turns its
+failures into errors that name the cause. The engine protocol: ``start()``, ``generate(...)``,
+``apply_sync(payload)`` (one ``megatron_logra.sync.wire.encode`` record), ``weight_checksums()``
+(digests of what vLLM serves, by Hugging Face name) and ``close()``. See docs/vllm.md.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from megatron_logra.sync.checksum import mismatched_weights
+from megatron_logra.sync.wire import PROTOCOL_VERSION
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_VENV = REPO / ".venv-vllm"
+# Engine start is 24-39 s on a quiet 2-core machine and 156-315 s was measured on a loaded one;
+# 600 s leaves room for a slower one.
+DEFAULT_START_TIMEOUT_S = 600.0
+# One request after start (a generate, a sync, a weight read) on the tiny and small models.
+DEFAULT_REQUEST_TIMEOUT_S = 600.0
+_LOG_TAIL_CHARS = 4000
+
+
+class VLLMEngine:
+    """A vLLM engine serving the Hugging Face checkpoint ``hf_dir``.
+
+    Args:
+        hf_dir: a checkpoint written by our converter (``tools/convert_hf.py to-hf``).
+        target_names: Megatron names of the LoGRA targets (``<layer_key>.weight``): the weights
+            the engine keeps an exact fp32 shadow of.
+        tensor_parallel: vLLM's own TP size (independent of the trainer's layout).
+        dtype: what vLLM computes with (``float32`` or ``bfloat16``: the trainer's weights).
+        venv: the vLLM venv (``make setup-vllm``).
+        log_path: where the engine's output goes (default: a temporary file, named in errors).
+    """
+
+    def __init__(self, hf_dir: str | Path, *, target_names: Iterable[str],
+                 tensor_parallel: int = 1, dtype: str = "float32", max_model_len: int | None = None,
+                 seed: int = 0, venv: str | Path = DEFAULT_VENV, log_path: str | Path | None = None,
+                 start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
+                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S) -> None:
+        if tensor_parallel < 1:
+            raise ValueError(f"tensor_parallel={tensor_parallel} must be >= 1")
+        self.hf_dir = Path(hf_dir)
+        self.target_names = sorted(target_names)
+        self.tensor_parallel = tensor_parallel
+        self.dtype = dtype
+        self.max_model_len = max_model_len
+        self.seed = seed
+        self.venv = Path(venv)
+        self.log_path = Path(log_path) if log_path else None
+        self.start_timeout_s = start_timeout_s
+        self.request_timeout_s = request_timeout_s
+        self._process: subprocess.Popen | None = None
+        self.info: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ process
+
+    def start(self) -> None:
+        python = self.venv / "bin" / "python"
+        if not python.exists():
+            raise RuntimeError(f"the vLLM venv {self.venv} does not exist: run `make setup-vllm` "
+                               "(vLLM runs in its own venv, see docs/vllm.md)")
+        if not (self.hf_dir / "config.json").exists():
+            raise RuntimeError(f"{self.hf_dir} holds no config.json: the engine needs a Hugging "
+                               "Face checkpoint (tools/convert_hf.py to-hf)")
+        from multiprocessing.connection import Connection
+
+        if self.log_path is None:
+            handle, name = tempfile.mkstemp(prefix="vllm_engine_", suffix=".log")
+            os.close(handle)
+            self.log_path = Path(name)
+        req_r, req_w = os.pipe()
+        rep_r, rep_w = os.pipe()
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        env.update({
+            # This checkout's sync code and plugin, whatever the venv was installed from.
+            "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "megatron_logra_vllm")]),
+            "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "VLLM_CPU_KVCACHE_SPACE": "1",
+            # One core per CPU worker; vLLM refuses TP > 1 on CPU without an explicit binding.
+            "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i % (os.cpu_count() or 1))
+                                                  for i in range(self.tensor_parallel)),
+        })
+        with open(self.log_path, "ab") as log:
+            self._process = subprocess.Popen(
+                [str(python), "-m", "megatron_logra_vllm.server", "--fd-in", str(req_r),
+                 "--fd-out", str(rep_w)],
+                pass_fds=(req_r, rep_w), stdout=log, stderr=subprocess.STDOUT, env=env,
+                cwd=str(REPO))
+        os.close(req_r)
+        os.close(rep_w)
+        self._requests = Connection(req_w, readable=False)
+        self._replies = Connection(rep_r, writable=False)
+        self.info = self._call("start", self.start_timeout_s, protocol_version=PROTOCOL_VERSION,
+                               hf_dir=str(self.hf_dir), tensor_parallel=self.tensor_parallel,
+                               dtype=self.dtype, max_model_len=self.max_model_len,
+                               seed=self.seed, target_names=self.target_names)
+
+    def close(self) -> None:
+        if self._process is None:
+            return
+        try:
+            if self._process.poll() is None:
+                self._call("close", 60.0)
+            self._process.wait(timeout=60)
+        except (RuntimeError, subprocess.TimeoutExpired):
+            self._process.kill()
+            self._process.wait()
+        finally:
+            self._process = None
+
+    def __enter__(self) -> VLLMEngine:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _log_tail(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-_LOG_TAIL_CHARS:]
+        except OSError:
+            return ""
+
+    def _call(self, method: str, timeout_s: float, **kwargs: Any) -> Any:
+        if self._process is None:
+            raise RuntimeError(f"vLLM engine not started: call start() before {method}()")
+        try:
+            self._requests.send_bytes(pickle.dumps((method, kwargs)))
+            ready = self._replies.poll(timeout_s)
+            status, value = pickle.loads(self._replies.recv_bytes()) if ready else (None, None)
+        except (EOFError, BrokenPipeError, ConnectionResetError):
+            status = value = None
+        if status == "ok":
+            return value
+        if status == "error":
+            raise RuntimeError(f"vLLM engine {method}() failed: {value} (log: {self.log_path})")
+        code = self._process.poll()
+        what = (f"exited with code {code}" if code is not None
+                else f"did not answer within {timeout_s:.0f} s")
+        if code is None:
+            self._process.kill()
+        self._process = None
+        raise RuntimeError(f"vLLM engine process {what} during {method}() (log: {self.log_path})"
+                           f":\n{self._log_tail()}")
+
+    # ------------------------------------------------------------------ protocol
+
+    def generate(self, prompt_token_ids: list[list[int]], *, max_new_tokens: int,
+                 temperature: float, top_p: float, seed: int
+                 ) -> list[tuple[list[int], list[float]]]:
+        return [tuple(r) for r in self._call(
+            "generate", self.request_timeout_s, prompt_token_ids=prompt_token_ids,
+            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)]
+
+    def score(self, token_ids: list[list[int]]) -> list[list[float]]:
+        """Log-probs (temperature 1) of tokens 1..L-1 of each sequence given the ones before."""
+        return self._call("score", self.request_timeout_s, token_ids=token_ids)
+
+    def apply_sync(self, payload: bytes) -> None:
+        """Apply one wire-encoded record; refused records (out of order, repeated, unknown
+        layer) raise and change nothing."""
+        self._call("apply_sync", self.request_timeout_s, payload=payload)
+
+    def weight_checksums(self) -> dict[str, str]:
+        """Digests of the weights vLLM serves, read back from its parameters and reassembled to
+        the Hugging Face layout (TP=1), by Hugging Face name."""
+        return self._call("weight_checksums", self.request_timeout_s)
+
+    def check_weights(self, expected: dict[str, str]) -> None:
+        """Raise if the served weights differ from ``expected`` (the trainer's digests of its
+        weights in the Hugging Face layout), naming the weights that differ."""
+        differ = mismatched_weights(expected, self.weight_checksums())
+        if differ:
+            raise RuntimeError(f"checksum mismatch: the vLLM engine serves {len(differ)} weight(s) "
+                               f"that differ from the trainer's: {differ[:6]}; request a full sync")

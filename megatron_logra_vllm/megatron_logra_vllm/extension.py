@@ -1,0 +1,82 @@
+"""The vLLM worker extension (``worker_extension_cls``): each vLLM worker keeps an exact shadow
+of the policy and writes the weights it serves from it.
+
+The trainer's records address Megatron's full (TP=1) tensors, and the shadow replays each merge
+on a block of the trainer's own shape (:class:`megatron_logra.sync.shadow.EngineShadow`: the
+trainer's merge function, so the trainer's rounding). Each worker therefore keeps the full
+shadow of the targets -- tp x the memory of a sharded one, the price of exactness under any
+trainer layout (docs/sync.md, "Same block shapes") -- and loads the changed tensors through
+vLLM's own ``load_weights``, which cuts this rank's shard (:mod:`.layout`). vLLM calls these
+methods through ``collective_rpc``: records travel as wire bytes (tensor arguments would arrive
+as lists).
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import torch
+
+from megatron_logra.sync.records import FullSyncBucket
+from megatron_logra.sync.shadow import EngineShadow
+from megatron_logra.sync.wire import decode
+from megatron_logra_vllm.layout import ServedArch, hf_tensors
+
+
+class LowRankSyncExtension:
+    """Mixed into vLLM's worker class; ``self`` is the worker (``self.model_runner``)."""
+
+    def megatron_logra_init(self, target_names: list[str]) -> str:
+        model_config = self.model_runner.model_config
+        self._logra_arch = ServedArch.from_hf_config(model_config.hf_config)
+        self._logra_shadow = EngineShadow(target_names, served_dtype=model_config.dtype)
+        return str(model_config.dtype)
+
+    def megatron_logra_apply(self, payload: bytes) -> tuple[str, list[str] | str]:
+        """Apply one wire-encoded record to the shadow and load what changed into the model:
+        ``("ok", changed names)`` or ``("error", message)``. A refusal is returned, not raised:
+        with TP > 1 a raising worker leaves the other workers' replies queued in vLLM's RPC,
+        and the next call would read them."""
+        try:
+            return "ok", self._apply(payload)
+        except (RuntimeError, ValueError) as error:
+            return "error", str(error)
+
+    def _apply(self, payload: bytes) -> list[str]:
+        shadow: EngineShadow = self._logra_shadow
+        record = decode(payload)
+        shadow.apply(record)  # raises, changing nothing, on an out-of-order record
+        if isinstance(record, FullSyncBucket):
+            if shadow._pending:  # noqa: SLF001 -- the sync completes with its last bucket
+                return []
+            names = list(shadow.served)
+        elif hasattr(record, "param_name"):
+            names = [record.param_name]
+        else:
+            names = [record.name]
+        self._load(names)
+        return names
+
+    def _load(self, names: list[str]) -> None:
+        shadow, arch = self._logra_shadow, self._logra_arch
+        tensors = [pair for name in names for pair in hf_tensors(name, shadow.served[name], arch)]
+        with torch.no_grad():
+            self.model_runner.model.load_weights(iter(tensors))
+
+    def megatron_logra_served(self) -> bytes:
+        """This rank's parameters as vLLM serves them (safetensors bytes), for the weight check."""
+        from safetensors.torch import save
+
+        params = {name: p.detach().contiguous().clone()
+                  for name, p in self.model_runner.model.named_parameters()}
+        return save(params)
+
+    def megatron_logra_counts(self) -> dict[str, Any]:
+        return dict(self._logra_shadow.counts)
+
+
+def load_served(blob: bytes) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load
+
+    return load(io.BytesIO(blob).getvalue())

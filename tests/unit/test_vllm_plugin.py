@@ -1,0 +1,92 @@
+"""The vLLM plugin's torch-only parts, in our venv (no vLLM needed): its Megatron -> Hugging Face
+layout equals the converter's, its reassembly of vLLM's TP shards inverts vLLM's sharding, and
+the engine refuses a protocol or vLLM version it was not built for.
+
+The vLLM engine itself is tested for real in tests/distributed/test_vllm_sync.py.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from tests.torchrun import REPO
+
+sys.path.insert(0, str(REPO / "megatron_logra_vllm"))
+
+from megatron_logra_vllm.layout import ServedArch, hf_from_vllm_shards, hf_tensors  # noqa: E402
+from megatron_logra_vllm.server import check_versions  # noqa: E402
+
+from megatron_logra.mcore.conversion import HFArchitecture, hf_tensors_from_megatron  # noqa: E402
+from megatron_logra_vllm import VLLM_VERSION  # noqa: E402
+
+# 4 query heads in 2 groups of width 8: the per-group interleave of linear_qkv is not [q; k; v].
+ARCH = HFArchitecture(model_type="llama", num_layers=2, hidden_size=32, num_heads=4,
+                      num_kv_heads=2, ffn_hidden_size=48, vocab_size=50, tie_word_embeddings=False,
+                      qkv_bias=False, linear_bias=False, rotary_base=10000, norm_eps=1e-5,
+                      max_position_embeddings=64)
+SERVED = ServedArch(num_heads=4, num_kv_heads=2, head_dim=8, vocab_size=50,
+                    tie_word_embeddings=False)
+PADDED_VOCAB = 64
+
+
+def _megatron_full() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    qkv_rows = (4 + 2 * 2) * 8
+    shapes = {"embedding.word_embeddings.weight": (PADDED_VOCAB, 32),
+              "output_layer.weight": (PADDED_VOCAB, 32), "decoder.final_layernorm.weight": (32,)}
+    for i in range(2):
+        p = f"decoder.layers.{i}."
+        shapes |= {p + "input_layernorm.weight": (32,), p + "pre_mlp_layernorm.weight": (32,),
+                   p + "self_attention.linear_qkv.weight": (qkv_rows, 32),
+                   p + "self_attention.linear_proj.weight": (32, 32),
+                   p + "mlp.linear_fc1.weight": (96, 32), p + "mlp.linear_fc2.weight": (32, 48)}
+    return {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+
+
+def test_plugin_layout_equals_the_converters_megatron_to_hf_mapping():
+    full = _megatron_full()
+    expected = hf_tensors_from_megatron(full, ARCH)
+    got = dict(pair for name, t in full.items() for pair in hf_tensors(name, t, SERVED))
+    assert got.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(got[name], tensor), name
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_reassembly_of_vllm_tp_shards_inverts_vllms_sharding(tp):
+    """vLLM's sharding written out for one layer: rank t holds its query heads and its key /
+    value heads stacked [q_t; k_t; v_t], [gate_t; up_t], column slices of o_proj / down_proj and
+    a slice of the vocabulary padded to a multiple of 64 per rank."""
+    hf = hf_tensors_from_megatron(_megatron_full(), ARCH)
+    p = "model.layers.0."
+    padded = torch.cat([hf["model.embed_tokens.weight"], torch.zeros(PADDED_VOCAB - 50, 32)])
+
+    def rows(t, r):
+        return torch.chunk(t, tp)[r]
+
+    shards = [{
+        f"{p}self_attn.qkv_proj.weight": torch.cat(
+            [rows(hf[f"{p}self_attn.{x}_proj.weight"], r) for x in "qkv"]),
+        f"{p}mlp.gate_up_proj.weight": torch.cat(
+            [rows(hf[f"{p}mlp.{x}_proj.weight"], r) for x in ("gate", "up")]),
+        f"{p}self_attn.o_proj.weight": torch.chunk(hf[f"{p}self_attn.o_proj.weight"], tp, 1)[r],
+        f"{p}mlp.down_proj.weight": torch.chunk(hf[f"{p}mlp.down_proj.weight"], tp, 1)[r],
+        "model.embed_tokens.weight": rows(padded, r),
+        "model.norm.weight": hf["model.norm.weight"],
+    } for r in range(tp)]
+    got = hf_from_vllm_shards(shards, SERVED)
+    for name, tensor in got.items():
+        assert torch.equal(tensor, hf[name]), name
+    assert len(got) == 9  # q, k, v, gate, up, o, down, embeddings, norm
+
+
+def test_engine_refuses_another_sync_protocol_or_vllm_version_naming_both():
+    check_versions(1, 1, VLLM_VERSION)
+    check_versions(1, 1, f"{VLLM_VERSION}+cpu")
+    with pytest.raises(RuntimeError, match="sync protocol mismatch: the trainer speaks version 2"):
+        check_versions(2, 1, VLLM_VERSION)
+    with pytest.raises(RuntimeError, match=f"written for vLLM {VLLM_VERSION}, the venv has 0.31.0"):
+        check_versions(1, 1, "0.31.0")
