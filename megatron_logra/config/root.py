@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_logra.config.model import ModelConfig, ParallelConfig
+from megatron_logra.config.moe import check_moe_run
 from megatron_logra.config.optim import (
     LOW_PRECISION_MASTERS,
     LoGRAConfig,
@@ -65,6 +66,7 @@ class Config:
                     f"{name}={value} must be divisible by parallel.tp={p.tp}; change one of them"
                 )
         self._check_low_rank_widths()
+        check_moe_run(self)
         if self.rl.sampling.max_new_tokens >= m.seq_length:
             raise ValueError(
                 f"rl.sampling.max_new_tokens={self.rl.sampling.max_new_tokens} leaves no room for "
