@@ -165,7 +165,9 @@ class Config:
                 f"({microbatches} = train.global_batch_size / (train.micro_batch_size * dp)) to "
                 f"be a multiple of parallel.pp={p.pp}; change the batch sizes"
             )
-        return dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=dp))
+        resolved = dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=dp))
+        check_moe_run(resolved)  # ep against the derived data-parallel size
+        return resolved
 
     def _derive_for_supervised(self) -> Config:
         if self.rl.updates_per_rollout != 1:
