@@ -54,6 +54,7 @@ class ParallelGroups:
     # ep=1 (and for dense models) these are the dense groups.
     ep_rank: int = 0
     ep_size: int = 1
+    expert_dp_rank: int = 0
     ep: dist.ProcessGroup | None = None
     """Expert-parallel group: the ranks that split one MoE layer's experts."""
     expert_dp: dist.ProcessGroup | None = None
@@ -149,6 +150,7 @@ def init_parallel(cfg: Config) -> ParallelGroups:
         device=device,
         ep_rank=parallel_state.get_expert_model_parallel_rank(),
         ep_size=parallel_state.get_expert_model_parallel_world_size(),
+        expert_dp_rank=parallel_state.get_expert_data_parallel_rank(),
         ep=parallel_state.get_expert_model_parallel_group(),
         expert_dp=parallel_state.get_expert_data_parallel_group(),
         expert_mp=parallel_state.get_expert_tensor_model_pipeline_parallel_group(),

@@ -21,6 +21,11 @@ the rest reproduces ``optimizer.name=sgd`` at EP=2 (losses, gradient norms with 
 weight decay, weights) -- so per-expert sketches carry exactly the scaling Megatron gives the
 experts' dense gradients (reduced over the expert-data-parallel group).
 
+Resharded resume: 2 steps at EP=2, checkpointed, resumed at EP=1 for the last step == the
+uninterrupted EP=1 run (the model's experts through Megatron's global-expert sharded state, the
+experts' row moments keyed by their global layer keys, one replica per expert-data-parallel
+group).
+
 Both dispatchers run on CPU over gloo (the all-to-all needs the split-size fix of
 ``megatron_logra.mcore.compat.moe_fixes``). The reference itself must move every expert.
 """
@@ -32,7 +37,12 @@ import torch
 
 from megatron_logra.train.metrics import read_metrics
 from tests.cli_runs import CliRuns, run_differences
-from tests.layouts import LOGRA_LAYOUT_LOSS_REL_TOL, max_entry_rel_err
+from tests.layouts import (
+    LOGRA_LAYOUT_LOSS_REL_TOL,
+    RESHARD_LOSS_REL_TOL,
+    RESHARD_WEIGHT_REL_TOL,
+    max_entry_rel_err,
+)
 from tests.presets import SWIGLU_RMSNORM_NO_BIAS, tiny_gpt
 from tests.torchrun import REPO
 
@@ -139,3 +149,12 @@ def test_identity_projection_on_moe_reproduces_megatron_sgd_at_ep2(runs):
     for name, tensor in w_want.items():
         err = max_entry_rel_err(w_got[name], tensor)
         assert err < SGD_PARITY_WEIGHT_REL_TOL, f"{name}: {err:.2e}"
+
+
+def test_moe_resume_resharded_from_ep2_to_ep1_equals_the_uninterrupted_run(runs):
+    resumed = runs.resumed("ep2_to_ep1", RUNS["ep2_alltoall"], RUNS["ep1"], stop_after=2)
+    records = read_metrics(resumed / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    loss_err, weight_err = run_differences(resumed, _run(runs, "ep1"), max_entry_rel_err)
+    assert loss_err < RESHARD_LOSS_REL_TOL, f"loss rel err {loss_err:.2e}"
+    assert weight_err < RESHARD_WEIGHT_REL_TOL, f"weight rel err {weight_err:.2e}"
