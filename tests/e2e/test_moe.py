@@ -19,7 +19,8 @@ Three runs, not four (EP=2 x all-gather as well): each CLI job costs 20-60 s on 
 The identity limit on the MoE model: LoGRA with A = I, the sgd direction and Megatron's SGD for
 the rest reproduces ``optimizer.name=sgd`` at EP=2 (losses, gradient norms with clipping binding,
 weight decay, weights) -- so per-expert sketches carry exactly the scaling Megatron gives the
-experts' dense gradients (reduced over the expert-data-parallel group).
+experts' dense gradients (reduced over the expert-data-parallel group) -- except, by design, for
+the experts that received no token in a step, which Megatron's SGD decays and LoGRA leaves alone.
 
 Resharded resume: 2 steps at EP=2, checkpointed, resumed at EP=1 for the last step == the
 uninterrupted EP=1 run (the model's experts through Megatron's global-expert sharded state, the
@@ -82,10 +83,13 @@ IDENTITY = ["parallel.tp=1", "parallel.ep=2", "optimizer.lr=0.2", "optimizer.sgd
 LOGRA_IDENTITY = ["optimizer.name=logra", "logra.distribution=identity", "logra.direction=sgd",
                   "logra.native_optimizer=sgd"]
 # As in e2e/test_identity_limit.py (the same arithmetic up to fp32 summation order); measured
-# here 2.0e-7 relative on weights, losses and norms equal to the printed digits.
+# here <= 2e-7 relative on the weights of the experts that always received tokens.
 SGD_PARITY_LOSS_REL_TOL = 1e-6
 SGD_PARITY_GRAD_NORM_REL_TOL = 1e-5
 SGD_PARITY_WEIGHT_REL_TOL = 1e-5
+# An idle expert's weight is Megatron's divided by one decay factor: the spread of the
+# elementwise ratio is fp32 rounding of the two products (measured 8e-7).
+IDLE_DECAY_RATIO_SPREAD = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +138,13 @@ def test_moe_reference_run_moves_every_expert_and_lowers_the_loss(runs):
                 assert (after[name] - before).abs().max() < 0.2, f"{name}: not its initial draw"
 
 
-def test_identity_projection_on_moe_reproduces_megatron_sgd_at_ep2(runs):
+def test_identity_projection_on_moe_reproduces_megatron_sgd_at_ep2_except_idle_experts(runs):
+    """Losses, gradient norms (clipping binding) and every weight as Megatron's SGD -- except
+    the experts that received no token in some step: Megatron's SGD still decays those
+    (``W <- (1 - lr wd) W`` with a zero gradient), LoGRA leaves them alone (docs/moe.md). Such an
+    expert's weight is Megatron's times one constant factor below 1 (its missed decays), which
+    this run shows for 2 of the 8 experts (seeded routing at lr 0.2; measured ratio 0.99950 with
+    a spread of 8e-7 over the tensor, the others within 2e-7 of Megatron)."""
     dense = runs.run("sgd_ep2", 2, [*IDENTITY, "optimizer.name=sgd"])
     logra = runs.run("identity_ep2", 2, [*IDENTITY, *LOGRA_IDENTITY])
     want, got = read_metrics(dense / "metrics.jsonl"), read_metrics(logra / "metrics.jsonl")
@@ -146,9 +156,18 @@ def test_identity_projection_on_moe_reproduces_megatron_sgd_at_ep2(runs):
             SGD_PARITY_GRAD_NORM_REL_TOL * b["grad_norm"]), (a, b)
     w_got, w_want = torch.load(logra / "full_weights.pt"), torch.load(dense / "full_weights.pt")
     assert sorted(w_got) == sorted(w_want)
+    idle = []
     for name, tensor in w_want.items():
         err = max_entry_rel_err(w_got[name], tensor)
-        assert err < SGD_PARITY_WEIGHT_REL_TOL, f"{name}: {err:.2e}"
+        if err < SGD_PARITY_WEIGHT_REL_TOL:
+            continue
+        assert ".mlp.experts." in name, f"{name}: {err:.2e}"
+        ratio = tensor / w_got[name]
+        assert float(ratio.max() - ratio.min()) < IDLE_DECAY_RATIO_SPREAD, name
+        assert float(ratio.max()) < 1.0, name
+        idle.append(name.removesuffix(".linear_fc1.weight").removesuffix(".linear_fc2.weight"))
+    assert idle, "no expert was idle: the run no longer exercises the idle-expert rule"
+    assert all(idle.count(expert) == 2 for expert in idle), idle  # fc1 and fc2 together
 
 
 def test_moe_resume_resharded_from_ep2_to_ep1_equals_the_uninterrupted_run(runs):
