@@ -11,7 +11,12 @@ Tensor parallelism decides what a rank's sketch of a layer is:
   over the tensor-parallel group of the full ``[m, r]`` sketch (``tp_partial=True``).
 
 Complete sketches form the first region of the buffer and partial ones the second, so each kind
-is reduced by one collective over its region.
+is reduced by one collective over its region. Routed experts of an MoE model (``expert=True``)
+have two regions of their own after those: an expert's copies live on the expert-data-parallel
+group (the DP ranks that hold the same experts), so its sketch is reduced over that group, never
+over the dense DP group (whose other members hold other experts at the same offsets). The buffer
+also counts the token rows each slot accumulated, so that an expert that received no tokens in a
+step can be told apart (:meth:`FlatSketchBuffer.received_tokens`).
 
 Two layouts:
 
@@ -47,6 +52,8 @@ class SketchSlot:
         sketch_rank: columns of the sketch (r; the input width n for the identity projection).
         tp_partial: True when the rank's sketch is a partial sum over the tensor-parallel group.
         stride: interleaved row blocks of the TP shard (2 for a gated fc1), for DP sharding.
+        expert: a routed expert's sketch, reduced over the expert-data-parallel group
+            (replicated layout only).
     """
 
     layer_key: str
@@ -54,6 +61,7 @@ class SketchSlot:
     sketch_rank: int
     tp_partial: bool
     stride: int = 1
+    expert: bool = False
 
     @property
     def numel(self) -> int:
@@ -95,30 +103,44 @@ class FlatSketchBuffer:
         if len(set(keys)) != len(keys):
             raise ValueError(f"duplicate layer keys among sketch slots: {keys}")
         self.dp_size, self.dp_rank = dp_size, dp_rank
-        complete = [slot for slot in slots if not slot.tp_partial]
-        partial = [slot for slot in slots if slot.tp_partial]
-        self.slots: tuple[SketchSlot, ...] = tuple(complete + partial)
+        if dp_size > 1 and any(slot.expert for slot in slots):
+            raise ValueError(
+                "expert sketches are replicated over their expert-data-parallel group; a "
+                "DP-sharded buffer (sharded masters) cannot hold them"
+            )
+        complete = [slot for slot in slots if not slot.tp_partial and not slot.expert]
+        partial = [slot for slot in slots if slot.tp_partial and not slot.expert]
+        expert_complete = [slot for slot in slots if not slot.tp_partial and slot.expert]
+        expert_partial = [slot for slot in slots if slot.tp_partial and slot.expert]
+        self.slots: tuple[SketchSlot, ...] = tuple(
+            complete + partial + expert_complete + expert_partial
+        )
         self.shards = {
             slot.layer_key: RowShard(slot.rows, slot.stride, dp_size, dp_rank)
             for slot in self.slots
         }
         regions: list[_Region] = []
         start = 0
-        for group in (complete, partial):
+        for group in (complete, partial, expert_complete, expert_partial):
             segment = sum(self.shards[s.layer_key].owned_rows * s.sketch_rank for s in group)
             regions.append(_Region(start=start, numel=segment * dp_size, segment=segment))
             start += segment * dp_size
-        self._complete, self._partial = regions
+        self._complete, self._partial, self._expert_complete, self._expert_partial = regions
         self.partial_start = self._partial.start
         # fp32 in training; float64 only for reference computations in tests.
         self.data = torch.zeros(start, dtype=dtype, device=device)
         self._pieces: dict[str, tuple[RowPiece, ...]] = {}
         self._owned: dict[str, torch.Tensor] = {}
-        for group, region in ((complete, self._complete), (partial, self._partial)):
+        for group, region in ((complete, self._complete), (partial, self._partial),
+                              (expert_complete, self._expert_complete),
+                              (expert_partial, self._expert_partial)):
             offset = 0
             for slot in group:
                 self._place(slot, region, offset)
                 offset += self.shards[slot.layer_key].owned_rows * slot.sketch_rank
+        self._slot_index = {slot.layer_key: i for i, slot in enumerate(self.slots)}
+        # Token rows accumulated per slot this step (float64: exact for any realistic count).
+        self.token_rows = torch.zeros(len(self.slots), dtype=torch.float64, device=device)
 
     def _place(self, slot: SketchSlot, region: _Region, offset: int) -> None:
         shard, r = self.shards[slot.layer_key], slot.sketch_rank
@@ -198,7 +220,8 @@ class FlatSketchBuffer:
     def owned_segments(self) -> tuple[torch.Tensor, ...]:
         """The flat parts of the buffer holding this rank's reduced rows (one per region)."""
         out = []
-        for region in (self._complete, self._partial):
+        for region in (self._complete, self._partial, self._expert_complete,
+                       self._expert_partial):
             if region.numel:
                 start = region.start + (self.dp_rank * region.segment if self.sharded else 0)
                 out.append(self.data[start : start + region.segment])
@@ -210,11 +233,19 @@ class FlatSketchBuffer:
 
     def zero_(self) -> None:
         self.data.zero_()
+        self.token_rows.zero_()
+
+    def received_tokens(self, layer_key: str) -> float:
+        """Token rows the layer's sketch accumulated this step; for an expert slot, after
+        :meth:`reduce_`, summed over its expert-data-parallel group (so every rank holding
+        the expert agrees whether it received any token)."""
+        return float(self.token_rows[self._slot_index[layer_key]].item())
 
     def accumulate_(
         self, layer_key: str, grad_output_TO: torch.Tensor, projected_TR: torch.Tensor
     ) -> None:
         """``S += H^T P`` for one layer, into every piece of its rows, in the buffer's dtype."""
+        self.token_rows[self._slot_index[layer_key]] += grad_output_TO.shape[0]
         for piece in self._pieces[layer_key]:
             accumulate_sketch_(
                 piece.view, grad_output_TO[:, piece.row_start : piece.row_end], projected_TR
@@ -229,6 +260,7 @@ class FlatSketchBuffer:
         tp_group: dist.ProcessGroup | None,
         tp_dp_group: dist.ProcessGroup | None,
         tp_size: int,
+        expert_dp_group: dist.ProcessGroup | None = None,
     ) -> int:
         """Sum the step's sketches over data parallelism (partials over TP as well).
 
@@ -243,7 +275,7 @@ class FlatSketchBuffer:
                 f"tp_size={tp_size}, dp shards={self.dp_size} but torch.distributed is not "
                 "initialised: sketches cannot be reduced"
             )
-        collectives = 0
+        collectives = self._reduce_experts(expert_dp_group, tp_group, tp_size)
         complete = self.data[self._complete.start : self._complete.start + self._complete.numel]
         partial = self.data[self._partial.start : self._partial.start + self._partial.numel]
         if not self.sharded:
@@ -253,8 +285,8 @@ class FlatSketchBuffer:
                     collectives += 1
                 dist.all_reduce(partial, group=tp_dp_group)
                 collectives += 1
-            elif _group_size(dp_group) > 1:
-                dist.all_reduce(self.data, group=dp_group)
+            elif _group_size(dp_group) > 1 and self._expert_complete.start > 0:
+                dist.all_reduce(self.data[: self._expert_complete.start], group=dp_group)
                 collectives += 1
             return collectives
         if tp_size > 1 and partial.numel() > 0:
@@ -270,6 +302,36 @@ class FlatSketchBuffer:
             mine.copy_(reduced)
             collectives += 1
         return collectives
+
+    def _reduce_experts(
+        self, expert_dp_group: dist.ProcessGroup | None, tp_group: dist.ProcessGroup | None,
+        tp_size: int,
+    ) -> int:
+        """Expert regions: row-parallel partials summed over (expert) TP, then both regions and
+        the experts' token counts over the expert-data-parallel group."""
+        expert_complete = _region_view(self.data, self._expert_complete)
+        expert_partial = _region_view(self.data, self._expert_partial)
+        if expert_complete.numel() + expert_partial.numel() == 0:
+            return 0
+        if expert_dp_group is None and _group_size(None) > 1:
+            raise RuntimeError(
+                "expert sketches need their expert-data-parallel group to be reduced (the "
+                "default group would sum different experts); pass expert_dp_group"
+            )
+        collectives = 0
+        if tp_size > 1 and expert_partial.numel() > 0:
+            dist.all_reduce(expert_partial, group=tp_group)
+            collectives += 1
+        if _group_size(expert_dp_group) > 1:
+            experts = self.data[self._expert_complete.start :]
+            dist.all_reduce(experts, group=expert_dp_group)
+            dist.all_reduce(self.token_rows, group=expert_dp_group)
+            collectives += 2
+        return collectives
+
+
+def _region_view(data: torch.Tensor, region: _Region) -> torch.Tensor:
+    return data[region.start : region.start + region.numel]
 
 
 def _group_size(group: dist.ProcessGroup | None) -> int:

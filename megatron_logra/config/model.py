@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_logra.config.checks import check_choice, check_positive
+from megatron_logra.config.moe import check_moe_model
 
 NORMALIZATIONS: tuple[str, ...] = ("LayerNorm", "RMSNorm")
 ACTIVATIONS: tuple[str, ...] = ("gelu", "swiglu")
@@ -62,6 +63,21 @@ class ModelConfig:
     ``recompute_num_layers`` layers of each pipeline stage, keep the rest). Default uniform."""
     recompute_num_layers: int | None = None
     """With ``recompute=full``: layers per group (uniform) or per stage (block). Default 1."""
+    # -- mixture of experts (megatron_logra.config.moe validates these; docs/moe.md)
+    num_moe_experts: int | None = None
+    """Routed experts per MoE layer; None builds a dense GPT (every other moe_* key must then
+    stay unset)."""
+    moe_router_topk: int = 2
+    """Experts each token is routed to (Megatron's top-k router, softmax scores)."""
+    moe_ffn_hidden_size: int | None = None
+    """FFN width of one routed expert; None takes model.ffn_hidden_size."""
+    moe_shared_expert_ffn_hidden_size: int | None = None
+    """FFN width of the shared expert every token also passes (Qwen2-MoE style); None: none."""
+    moe_layer_freq: int = 1
+    """Every k-th decoder layer is MoE (layers 0, k, 2k, ...); the others keep the dense MLP."""
+    moe_token_dispatcher: str = "alltoall"
+    """Megatron's token dispatcher over the expert-parallel group: ``alltoall`` or
+    ``allgather`` (both run over gloo on CPU)."""
     init_checkpoint: str | None = None
     """Start from the weights of this checkpoint directory (model-only, e.g. a converted Hugging
     Face model or a warm start, or a training checkpoint) instead of random initialisation. Any
@@ -82,6 +98,7 @@ class ModelConfig:
         check_choice(f"{path}.attention", self.attention, ATTENTIONS)
         check_choice(f"{path}.recompute", self.recompute, RECOMPUTES)
         self._check_recompute(path)
+        check_moe_model(self, path)
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"{path}.hidden_size={self.hidden_size} must be divisible by "
@@ -124,13 +141,17 @@ class ModelConfig:
     def target_widths(self) -> dict[str, tuple[int, int]]:
         """``(output rows, input columns)`` of each target linear's full (TP=1) weight."""
         head_dim = self.hidden_size // self.num_attention_heads
-        fc1_rows = self.ffn_hidden_size * (2 if self.activation == "swiglu" else 1)
+        # An MoE model's MLP linears come in up to three widths (dense MLP, routed expert,
+        # shared expert): the narrowest bounds a sketch.
+        ffn = min(w for w in (self.ffn_hidden_size, self.moe_ffn_hidden_size,
+                              self.moe_shared_expert_ffn_hidden_size) if w is not None)
+        fc1_rows = ffn * (2 if self.activation == "swiglu" else 1)
         return {
             "linear_qkv": ((self.num_attention_heads + 2 * self.query_groups) * head_dim,
                            self.hidden_size),
             "linear_proj": (self.hidden_size, self.num_attention_heads * head_dim),
             "linear_fc1": (fc1_rows, self.hidden_size),
-            "linear_fc2": (self.hidden_size, self.ffn_hidden_size),
+            "linear_fc2": (self.hidden_size, ffn),
         }
 
 
@@ -146,6 +167,9 @@ class ParallelConfig:
     """Sequence parallelism (needs tp > 1)."""
     dp: int | None = None
     """Derived from the world size; set it only to assert the layout you expect."""
+    ep: int = 1
+    """Expert parallelism: each MoE layer's experts are split over ``ep`` ranks carved out of
+    the data-parallel ones (needs model.num_moe_experts; ep divides dp and the expert count)."""
     device: str = "auto"
     """``cpu`` runs over gloo with the CPU compatibility layer; ``cuda`` over NCCL; ``auto`` picks
     cuda when a GPU is visible."""
@@ -153,6 +177,7 @@ class ParallelConfig:
     def validate(self, path: str = "parallel") -> None:
         check_positive(f"{path}.tp", self.tp)
         check_positive(f"{path}.pp", self.pp)
+        check_positive(f"{path}.ep", self.ep)
         check_choice(f"{path}.device", self.device, DEVICES)
         if self.vpp is not None:
             check_positive(f"{path}.vpp", self.vpp)

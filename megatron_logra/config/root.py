@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_logra.config.model import ModelConfig, ParallelConfig
+from megatron_logra.config.moe import check_moe_run
 from megatron_logra.config.optim import (
     LOW_PRECISION_MASTERS,
     LoGRAConfig,
@@ -69,6 +70,7 @@ class Config:
                 )
         self._check_low_rank_widths()
         self._check_rollout_and_sync()
+        check_moe_run(self)
         if self.rl.sampling.max_new_tokens >= m.seq_length:
             raise ValueError(
                 f"rl.sampling.max_new_tokens={self.rl.sampling.max_new_tokens} leaves no room for "
@@ -208,7 +210,9 @@ class Config:
                 f"({microbatches} = train.global_batch_size / (train.micro_batch_size * dp)) to "
                 f"be a multiple of parallel.pp={p.pp}; change the batch sizes"
             )
-        return dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=dp))
+        resolved = dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=dp))
+        check_moe_run(resolved)  # ep against the derived data-parallel size
+        return resolved
 
     def _derive_for_supervised(self) -> Config:
         if self.rollout.separate:

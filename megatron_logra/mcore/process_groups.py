@@ -49,6 +49,18 @@ class ParallelGroups:
     world_rank: int
     world_size: int
     device: torch.device
+    # Expert parallelism (MoE): experts are split over ``ep`` ranks carved out of the DP ones;
+    # an expert's copies are reduced over the expert-data-parallel group (dp / ep ranks). With
+    # ep=1 (and for dense models) these are the dense groups.
+    ep_rank: int = 0
+    ep_size: int = 1
+    expert_dp_rank: int = 0
+    ep: dist.ProcessGroup | None = None
+    """Expert-parallel group: the ranks that split one MoE layer's experts."""
+    expert_dp: dist.ProcessGroup | None = None
+    """Expert-data-parallel group: the ranks holding the same experts (sketches sum over it)."""
+    expert_mp: dist.ProcessGroup | None = None
+    """Expert tensor x expert x pipeline parallel: every expert shard once (statistics)."""
 
     def is_first_stage(self, chunk: int = 0) -> bool:
         """Whether model chunk ``chunk`` of this rank holds the first layers (the embedding)."""
@@ -117,6 +129,7 @@ def init_parallel(cfg: Config) -> ParallelGroups:
         tensor_model_parallel_size=p.tp,
         pipeline_model_parallel_size=p.pp,
         virtual_pipeline_model_parallel_size=p.vpp,
+        expert_model_parallel_size=p.ep,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.train.seed)
     groups = ParallelGroups(
@@ -135,6 +148,12 @@ def init_parallel(cfg: Config) -> ParallelGroups:
         world_rank=dist.get_rank(),
         world_size=world_size,
         device=device,
+        ep_rank=parallel_state.get_expert_model_parallel_rank(),
+        ep_size=parallel_state.get_expert_model_parallel_world_size(),
+        expert_dp_rank=parallel_state.get_expert_data_parallel_rank(),
+        ep=parallel_state.get_expert_model_parallel_group(),
+        expert_dp=parallel_state.get_expert_data_parallel_group(),
+        expert_mp=parallel_state.get_expert_tensor_model_pipeline_parallel_group(),
     )
     logger.info(
         "rank %d: tp %d/%d dp %d/%d pp %d/%d on %s (%s)", groups.world_rank, groups.tp_rank,

@@ -200,6 +200,13 @@ def shape_from_model_config(model: ModelConfig, *, vocab_size: int, name: str = 
     the way our model pads it (independent of TP), so the shape carries no further padding.
     """
     check_positive_int("vocab_size", vocab_size, "pass the tokenizer's vocabulary size")
+    if model.num_moe_experts is not None:
+        # A dense shape would silently leave out the experts (most of an MoE model's weights).
+        raise ValueError(
+            f"model.num_moe_experts={model.num_moe_experts}: the memory estimator has no expert "
+            "terms yet (docs/moe.md); estimate the dense part by leaving model.num_moe_experts "
+            "unset, or see docs/moe.md for the experts' state by hand"
+        )
     padded = math.ceil(vocab_size / model.make_vocab_size_divisible_by)
     padded *= model.make_vocab_size_divisible_by
     return ModelShape(

@@ -9,6 +9,7 @@ import torch
 
 from megatron_logra.config import ModelConfig
 from megatron_logra.mcore.models.gpt import gpt_layer_spec
+from megatron_logra.mcore.models.moe import expert_index_offset
 from megatron_logra.mcore.models.targets import SUPPORTED_LAYERS, check_supported_layer
 
 HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
@@ -43,11 +44,19 @@ def test_layer_with_another_core_attention_is_refused_naming_the_layer_and_the_c
         check_supported_layer(_layer("FlashThing"), 3)
 
 
-def test_moe_layer_is_refused():
+def test_moe_layer_is_accepted_and_another_mlp_refused():
     layer = _layer("SDPAttention")
     layer.mlp = _module("MoELayer")
-    with pytest.raises(TypeError, match=r"decoder\.layers\.0\.mlp is a MoELayer"):
+    check_supported_layer(layer, 0)
+    layer.mlp = _module("TEFusedMLP")
+    with pytest.raises(TypeError, match=r"decoder\.layers\.0\.mlp is a TEFusedMLP"):
         check_supported_layer(layer, 0)
+
+
+def test_experts_other_than_sequential_mlp_are_refused():
+    """Grouped-GEMM experts (TEGroupedMLP, GPU) have no per-expert linears to sketch yet."""
+    with pytest.raises(TypeError, match="expected SequentialMLP experts, got TEGroupedMLP"):
+        expert_index_offset(_module("TEGroupedMLP"))
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "local"])

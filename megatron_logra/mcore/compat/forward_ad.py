@@ -34,7 +34,10 @@ one the same kernels run on the same tensors and gradients are bit-identical. (A
 grad mode on *inside* a dual level keeps those references as long as the graph for Functions
 whose jvp never ran, e.g. ``LinearWithFrozenWeight``'s input; the probe runs under no_grad.)
 
-Not covered: MoE's ``_AllToAll``, the vocab-parallel cross entropy, activation recomputation and
+MoE adds two Functions, the router's gating linear and the expert all-to-all; their rules live in
+:mod:`megatron_logra.mcore.compat.moe_forward_ad` and are installed with these.
+
+Not covered: the vocab-parallel cross entropy, activation recomputation and
 the fused kernels of Transformer Engine/apex get no rule; a probe forward that reaches them
 raises ``NotImplementedError`` (loudly, never a silent zero).
 """
@@ -52,6 +55,9 @@ import torch.distributed as dist
 from megatron.core import utils as mcore_utils
 from megatron.core.tensor_parallel import layers as mcore_layers
 from megatron.core.tensor_parallel import mappings as mcore_mappings
+from megatron.core.transformer.moe import moe_utils
+
+from megatron_logra.mcore.compat.moe_forward_ad import all_to_all_rule, router_gating_rule
 
 logger = logging.getLogger(__name__)
 
@@ -221,6 +227,8 @@ def _targets() -> list[_Target]:
         _Target(m, "_AllGatherFromTensorParallelRegion", _gather_last_rule),
         _Target(m, "_ReduceScatterToTensorParallelRegion", _reduce_scatter_last_rule),
         _Target(mcore_utils, "MakeViewlessTensor", _viewless_rule),
+        _Target(m, "_AllToAll", all_to_all_rule),
+        _Target(moe_utils, "RouterGatingLinearFunction", router_gating_rule),
     ]
 
 

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_logra.atomic_write import fsync_directory
+from megatron_logra.mcore.models.moe import is_expert_name
 from megatron_logra.mcore.models.sharding import gather_full, global_named_parameters, unwrap_model
 from megatron_logra.mcore.process_groups import ParallelGroups
 
@@ -19,7 +20,8 @@ def gather_full_weights(
 ) -> dict[str, torch.Tensor]:
     """``{global name: full fp32 tensor on CPU}`` of the whole model, on every rank.
 
-    Collective over the TP and pipeline groups: every rank must call it. With tied embeddings
+    Collective over the TP, expert-parallel and pipeline groups: every rank must call it.
+    Routed experts split over EP are gathered under their global names. With tied embeddings
     the last pipeline stage's copy of the word embeddings (``output_layer.weight``) is left
     out, so the result has the same names for every pipeline layout.
     """
@@ -31,6 +33,12 @@ def gather_full_weights(
             if name == "output_layer.weight" and tied:
                 continue
             stage[name] = full
+    if groups.ep_size > 1:
+        experts = {name: t for name, t in stage.items() if is_expert_name(name)}
+        shares: list[dict[str, torch.Tensor] | None] = [None] * groups.ep_size
+        dist.all_gather_object(shares, experts, group=groups.ep)
+        for share in shares:
+            stage.update(share or {})
     if groups.pp_size == 1:
         return stage
     stages: list[dict[str, torch.Tensor] | None] = [None] * groups.pp_size

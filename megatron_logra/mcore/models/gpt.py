@@ -29,6 +29,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from megatron_logra.config import Config, ModelConfig
+from megatron_logra.config.moe import is_moe_layer
+from megatron_logra.mcore.models.moe import moe_mlp_spec, moe_transformer_kwargs
 from megatron_logra.mcore.models.norms import SequenceParallelTorchNorm
 from megatron_logra.mcore.models.sdpa_attention import SDPAttention
 from megatron_logra.mcore.models.sharding import (
@@ -97,6 +99,7 @@ def transformer_config(cfg: Config, device: torch.device) -> TransformerConfig:
         # Selective recompute covers core attention only: in Megatron 0.16.1 the mlp module's
         # recompute hangs with biases and the layernorm one needs Transformer Engine.
         recompute_modules=["core_attn"],
+        **moe_transformer_kwargs(m, cfg.parallel.ep),
     )
 
 
@@ -123,6 +126,13 @@ def gpt_layer_spec(
     layer.self_attention.submodules.core_attention = core_attention
     layer.input_layernorm = norm
     layer.pre_mlp_layernorm = norm
+    if m.num_moe_experts is not None:
+        # Megatron's MoE layer (router, dispatcher, sketch-capable SequentialMLP experts) in
+        # every model.moe_layer_freq-th layer; MoE models have one pipeline stage.
+        moe_spec = copy.deepcopy(spec)
+        moe_spec.submodules.mlp = moe_mlp_spec()
+        layer_specs = [moe_spec if is_moe_layer(m, i) else spec for i in range(m.num_layers)]
+        return TransformerBlockSubmodules(layer_specs=layer_specs, layer_norm=norm)
     if not sequence_parallel and m.attention != "te":
         return spec
     # The final norm is chosen by the block spec; pass it explicitly so it is SP-capable too
@@ -189,7 +199,7 @@ def _init_rule(name: str, m: ModelConfig) -> tuple[str, float]:
         # Megatron's scaled init for the two linears that write into the residual stream.
         return "normal", m.init_method_std / math.sqrt(2.0 * m.num_layers)
     if name.endswith(
-        ("linear_qkv.weight", "linear_fc1.weight", "word_embeddings.weight",
+        ("router.weight", "linear_qkv.weight", "linear_fc1.weight", "word_embeddings.weight",
          "position_embeddings.weight", "output_layer.weight")
     ):
         return "normal", m.init_method_std

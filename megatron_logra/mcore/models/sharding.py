@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from megatron_logra.mcore.models.moe import expert_offsets, global_expert_name
+
 _LAYER_PREFIX = re.compile(r"^(.*?decoder\.layers\.)(\d+)(\..*)$")
 
 
@@ -32,9 +34,11 @@ def global_named_parameters(
     """``(global name, parameter)`` for every parameter of one model chunk.
 
     Local decoder-layer indices are replaced by the global layer number (Megatron's
-    ``TransformerLayer.layer_number`` is 1-based and global), wrappers are stripped.
+    ``TransformerLayer.layer_number`` is 1-based and global), local expert indices by global
+    ones (:mod:`megatron_logra.mcore.models.moe`), wrappers are stripped.
     """
     model = unwrap_model(model_chunk)
+    offsets = expert_offsets(model)
     local_to_global: dict[int, int] = {}
     decoder = getattr(model, "decoder", None)
     if decoder is not None:
@@ -43,6 +47,7 @@ def global_named_parameters(
                 raise TypeError(f"unexpected decoder layer type {type(layer).__name__}")
             local_to_global[local_index] = layer.layer_number - 1
     for name, param in model.named_parameters():
+        name = global_expert_name(name, offsets)
         match = _LAYER_PREFIX.match(name)
         if match:
             head, index, tail = match.groups()

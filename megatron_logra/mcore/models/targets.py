@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_logra.mcore.models.moe import expert_index_offset, moe_layers
 from megatron_logra.mcore.models.sharding import unwrap_model
 from megatron_logra.mcore.tensor_parallel.sketched_linear import (
     SketchedColumnParallelLinear,
@@ -30,13 +31,13 @@ SUPPORTED_LAYERS: dict[str, tuple[str, ...]] = {
     "self_attention.core_attention": (
         "SDPAttention", "DotProductAttention", "TEDotProductAttention",
     ),
-    "mlp": ("MLP",),
+    "mlp": ("MLP", "MoELayer"),
 }
 
 
 def check_supported_layer(layer: torch.nn.Module, global_index: int) -> None:
     """Refuse a decoder layer whose structure the targets and the KL probe were not built for
-    (multi-latent attention, MoE experts, fused TE layernorm-linears, ...)."""
+    (multi-latent attention, grouped-GEMM experts, fused TE layernorm-linears, ...)."""
     for path, names in SUPPORTED_LAYERS.items():
         module = layer
         for attr in filter(None, path.split(".")):
@@ -62,6 +63,8 @@ class SketchTarget:
         parallel_kind: ``column`` (owns output rows) or ``row`` (owns input columns).
         in_features: global input width n (columns of the full A).
         col_start, col_end: the global input columns this rank's weight shard covers.
+        expert: a routed expert's linear (split over expert parallelism; its sketch is reduced
+            over the expert-data-parallel group).
     """
 
     layer_key: str
@@ -70,6 +73,7 @@ class SketchTarget:
     in_features: int
     col_start: int
     col_end: int
+    expert: bool = False
 
     @property
     def weight(self) -> torch.nn.Parameter:
@@ -105,32 +109,60 @@ def find_targets(
             global_index = layer.layer_number - 1
             check_supported_layer(layer, global_index)
             for name in target_names:
-                path, kind = TARGET_PATHS[name]
-                module: torch.nn.Module = layer
-                for attr in path.split("."):
-                    module = getattr(module, attr)
-                expected = (
-                    SketchedColumnParallelLinear if kind == "column" else SketchedRowParallelLinear
-                )
-                if not isinstance(module, expected):
-                    raise TypeError(
-                        f"decoder.layers.{global_index}.{path} is a {type(module).__name__}, not "
-                        f"a {expected.__name__}: build the model with "
-                        "megatron_logra.mcore.models.gpt.gpt_layer_spec"
-                    )
-                local_in = module.weight.shape[1]
-                if kind == "column":
-                    in_features, col_start = local_in, 0
-                else:
-                    in_features, col_start = module.input_size, tp_rank * local_in
-                targets.append(
-                    SketchTarget(
-                        layer_key=f"decoder.layers.{global_index}.{path}",
-                        module=module,
-                        parallel_kind=kind,
-                        in_features=in_features,
-                        col_start=col_start,
-                        col_end=col_start + local_in,
-                    )
-                )
+                _, kind = TARGET_PATHS[name]
+                for key, path, module, expert in _target_modules(layer, name, global_index):
+                    targets.append(_target(key, path, module, kind, expert, global_index,
+                                           tp_rank))
     return targets
+
+
+def _target_modules(
+    layer: torch.nn.Module, name: str, global_index: int
+) -> list[tuple[str, str, torch.nn.Module, bool]]:
+    """``(layer key, path, module, expert)`` of target ``name`` in one decoder layer: the layer's
+    own linear, or in an MoE layer each routed expert's (keyed by its global index) and the
+    shared expert's."""
+    path, _ = TARGET_PATHS[name]
+    prefix = f"decoder.layers.{global_index}"
+    moe = moe_layers(layer)
+    if moe is None or not path.startswith("mlp."):
+        module: torch.nn.Module = layer
+        for attr in path.split("."):
+            module = getattr(module, attr)
+        return [(f"{prefix}.{path}", path, module, False)]
+    linear = path.removeprefix("mlp.")
+    offset = expert_index_offset(moe.experts)
+    found = [
+        (f"{prefix}.mlp.experts.{offset + i}.{linear}",
+         f"mlp.experts.local_experts.{i}.{linear}", getattr(expert, linear), True)
+        for i, expert in enumerate(moe.experts.local_experts)
+    ]
+    if getattr(moe, "shared_experts", None) is not None:
+        found.append((f"{prefix}.mlp.shared_experts.{linear}", f"mlp.shared_experts.{linear}",
+                      getattr(moe.shared_experts, linear), False))
+    return found
+
+
+def _target(key: str, path: str, module: torch.nn.Module, kind: str, expert: bool,
+            global_index: int, tp_rank: int) -> SketchTarget:
+    expected = SketchedColumnParallelLinear if kind == "column" else SketchedRowParallelLinear
+    if not isinstance(module, expected):
+        raise TypeError(
+            f"decoder.layers.{global_index}.{path} is a {type(module).__name__}, not "
+            f"a {expected.__name__}: build the model with "
+            "megatron_logra.mcore.models.gpt.gpt_layer_spec"
+        )
+    local_in = module.weight.shape[1]
+    if kind == "column":
+        in_features, col_start = local_in, 0
+    else:
+        in_features, col_start = module.input_size, tp_rank * local_in
+    return SketchTarget(
+        layer_key=key,
+        module=module,
+        parallel_kind=kind,
+        in_features=in_features,
+        col_start=col_start,
+        col_end=col_start + local_in,
+        expert=expert,
+    )

@@ -40,7 +40,6 @@ from typing import Any
 import torch
 from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer.optimizer import MegatronOptimizer
-from torch import distributed as dist
 
 from megatron_logra.config import LoGRAConfig
 from megatron_logra.direction import DirectionContext, DirectionRule, make_direction_rule
@@ -48,6 +47,12 @@ from megatron_logra.finite_check import agreed_flags, local_finite
 from megatron_logra.logra_mode import LoGRAMode
 from megatron_logra.master_weights import RowMaster, master_weights_mode
 from megatron_logra.mcore.models.targets import SketchTarget
+from megatron_logra.mcore.optimizer.expert_state import (
+    hold_idle_experts_,
+    idle_experts,
+    model_sum,
+    row_moments_of,
+)
 from megatron_logra.mcore.optimizer.logra_state import (
     global_row_ranges,
     load_sharded_state,
@@ -154,7 +159,8 @@ class LoGRAOptimizer(MegatronOptimizer):
         self.sketches = FlatSketchBuffer(
             [
                 SketchSlot(
-                    t.layer_key, t.rows, self.sketch_rank_of(t), t.tp_partial, stride=t.stride
+                    t.layer_key, t.rows, self.sketch_rank_of(t), t.tp_partial, stride=t.stride,
+                    expert=t.expert,
                 )
                 for t in self.targets
             ],
@@ -184,6 +190,8 @@ class LoGRAOptimizer(MegatronOptimizer):
             True: groups.dp if sharded else None,
         }
         self._prepared = False
+        self._idle: list[str] = []
+        """Expert targets that received no token in the prepared update."""
         self._state_before: dict[str, torch.Tensor] | None = None
         self._checked: tuple[float, list[tuple[torch.Tensor, float]]] | None = None
         self.last_update_scale: float | None = None
@@ -246,6 +254,7 @@ class LoGRAOptimizer(MegatronOptimizer):
             tp_group=self.groups.tp,
             tp_dp_group=self.groups.tp_dp,
             tp_size=self.groups.tp_size,
+            expert_dp_group=self.groups.expert_dp,
         )
         if num_tokens is not None:
             scale = 1.0 / num_tokens.item() if num_tokens.item() > 0 else 1.0
@@ -264,14 +273,13 @@ class LoGRAOptimizer(MegatronOptimizer):
         and with sharded masters DP ranks distinct rows: the sum over the statistics group counts
         every entry once. Replicated DP copies are identical and not summed.
         """
-        local = torch.zeros((), dtype=torch.float64, device=self.sketches.data.device)
-        for target in self.targets:
-            local += reconstructed_sq_norm(
-                self.sketches.owned_view(target.layer_key), self.projection_of(target)
-            )
-        if dist.get_world_size(self.stats_group) > 1:
-            dist.all_reduce(local, group=self.stats_group)
-        return float(local.item())
+        return self._model_sum(lambda target: reconstructed_sq_norm(
+            self.sketches.owned_view(target.layer_key), self.projection_of(target)))
+
+    def _model_sum(self, per_target: Callable[[SketchTarget], Any]) -> float:
+        """A model-wide sum of per-target shares (experts' over their own groups)."""
+        return model_sum(self.targets, per_target, stats_group=self.stats_group,
+                         expert_group=self.groups.expert_mp, device=self.sketches.data.device)
 
     @torch.no_grad()
     def clip_sketches_(self, max_norm: float, total_norm: float) -> None:
@@ -337,26 +345,19 @@ class LoGRAOptimizer(MegatronOptimizer):
         return grad_norm
 
     def count_zeros(self) -> float:
-        zeros = torch.zeros((), dtype=torch.float64, device=self.sketches.data.device)
-        for segment in self.sketches.owned_segments():
-            zeros += (segment == 0).sum()
-        if dist.get_world_size(self.stats_group) > 1:
-            dist.all_reduce(zeros, group=self.stats_group)
-        return float(zeros.item())
+        return self._model_sum(
+            lambda target: (self.sketches.owned_view(target.layer_key) == 0).sum())
 
     @torch.no_grad()
     def sketch_frobenius_sq(self) -> float:
         """``sum_l ||S_l||_F^2`` (the paper's reported "grad norm" is its square root)."""
-        local = torch.zeros((), dtype=torch.float64, device=self.sketches.data.device)
-        for target in self.targets:
-            view = self.sketches.owned_view(target.layer_key)
+        def share(target: SketchTarget) -> Any:
             # Row-parallel sketch rows are replicated over TP: count them once.
             if target.tp_partial and self.groups.tp_rank != 0:
-                continue
-            local += view.double().pow(2).sum()
-        if dist.get_world_size(self.stats_group) > 1:
-            dist.all_reduce(local, group=self.stats_group)
-        return float(local.item())
+                return 0.0
+            return self.sketches.owned_view(target.layer_key).double().pow(2).sum()
+
+        return self._model_sum(share)
 
     @torch.no_grad()
     def prepare_update(self) -> None:
@@ -376,11 +377,15 @@ class LoGRAOptimizer(MegatronOptimizer):
             name: tensor.clone() for name, tensor in self.direction.state_tensors().items()
         }
         self._prepared = True
+        # MoE: experts that received no token keep their moments and get no update.
+        self._idle = idle_experts(self.targets, self.sketches)
+        idle_moments = row_moments_of(self.direction, self._idle)
         try:
             self.direction.apply_(
                 self.sketches,
                 DirectionContext(step=self.update_count + 1, row_groups=self.row_groups),
             )
+            hold_idle_experts_(self.direction, self.sketches, idle_moments, self._idle)
         except Exception:
             self.abandon_update()
             raise
@@ -413,16 +418,15 @@ class LoGRAOptimizer(MegatronOptimizer):
     def _weight_sq_norm(self) -> float:
         """``||W_targets||_F^2`` from the fp32 masters (or the fp32 weights), every share once,
         in float64 by row blocks (no float64 copy of a whole weight)."""
-        local = torch.zeros((), dtype=torch.float64, device=self.sketches.data.device)
-        for target in self.targets:
+        def share(target: SketchTarget) -> Any:
             master = self.masters.get(target.layer_key)
             rows = norm_block_rows(target.weight.shape[1])
             blocks = (master.fp32_row_blocks(rows) if master is not None
                       else target.weight.detach().split(rows))
-            local += blockwise_sq_norm(blocks).to(local.device)
-        if dist.get_world_size(self.stats_group) > 1:
-            dist.all_reduce(local, group=self.stats_group)
-        return float(local.item())
+            # Host masters sum on the host; the scalar joins the device's sums.
+            return blockwise_sq_norm(blocks).to(self.sketches.data.device)
+
+        return self._model_sum(share)
 
     def _step_size(self) -> tuple[float, float]:
         """``(lr, weight_decay)`` of the update, as the mode takes them from the scheduler."""
@@ -519,6 +523,12 @@ class LoGRAOptimizer(MegatronOptimizer):
             # fp32 for the merge, one layer at a time (exact: A's values are the compute dtype's).
             projection = self.projection_of(target).float()
             master = self.masters.get(target.layer_key)
+            if target.layer_key in self._idle:
+                # An expert that received no token: no update at all (its factor is zero; no
+                # weight decay either). Policy sync still gets its (identity) record.
+                if self.update_listener is not None:
+                    records.append(self._sync_record(target, direction, 0.0, 0.0))
+                continue
             if self.update_listener is not None:
                 records.append(self._sync_record(target, direction, step_lr, weight_decay))
             # (1 - step_lr * wd) with step_lr = scale * lr: the decay is scaled with the step

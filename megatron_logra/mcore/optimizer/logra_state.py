@@ -99,10 +99,13 @@ def sharded_state_dict(optimizer: LoGRAOptimizer) -> dict[str, Any]:
         key, shard = target.layer_key, optimizer.sketches.shards[target.layer_key]
         row_part = target.parallel_kind == "row"
         # Copies of the same rows: row-parallel TP ranks hold the same rows; replicated
-        # layouts hold them on every DP rank too. Only the all-zero replica is written.
+        # layouts hold them on every DP rank too -- for a routed expert, on every rank of its
+        # expert-data-parallel group (the other DP ranks hold other experts, so the dense DP
+        # rank would leave some experts with no replica 0). Only the all-zero replica is written.
+        copy_rank = groups.expert_dp_rank if target.expert else groups.dp_rank
         replica = (
             groups.tp_rank if row_part else 0,
-            groups.dp_rank if replicated_rows else 0,
+            copy_rank if replicated_rows else 0,
         )
         entries: dict[str, list[Any]] = {"moment": [], "master": []}
         moment_view = row_moment(optimizer, key)

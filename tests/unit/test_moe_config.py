@@ -1,0 +1,50 @@
+"""MoE settings: what is accepted, and each refusal names the field, the value and the fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_logra.config import load_config
+
+MOE = ["model.num_moe_experts=4", "model.moe_ffn_hidden_size=32", "model.add_bias_linear=false"]
+
+
+def _resolved(*overrides: str, world: int = 2):
+    return load_config(None, list(overrides)).resolved(world)
+
+
+def test_an_moe_model_with_expert_parallelism_resolves():
+    cfg = _resolved(*MOE, "parallel.ep=2")
+    assert (cfg.model.num_moe_experts, cfg.parallel.ep, cfg.parallel.dp) == (4, 2, 2)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["parallel.ep=2"], "parallel.ep=2 splits experts, but the model has none"),
+        (["model.moe_router_topk=4"], "model.moe_router_topk=4 only acts in an MoE model"),
+        ([*MOE, "parallel.ep=3"], "parallel.ep=3 must divide model.num_moe_experts=4"),
+        (["model.num_moe_experts=2", "model.moe_router_topk=3"],
+         "model.moe_router_topk=3 exceeds model.num_moe_experts=2"),
+        ([*MOE, "parallel.tp=2"], "needs parallel.sp=true"),
+        ([*MOE, "optimizer.name=lora"], "optimizer.name=lora does not adapt experts"),
+        ([*MOE, "optimizer.name=logra", "logra.mode=paper"], "logra.mode=paper is not supported"),
+        ([*MOE, "model.moe_token_dispatcher=flex"], "model.moe_token_dispatcher='flex'"),
+    ],
+)
+def test_moe_settings_that_cannot_act_are_refused_with_the_fix(overrides, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        _resolved(*overrides)
+
+
+def test_ep_must_divide_the_data_parallel_size():
+    with pytest.raises(ValueError, match="must divide the data-parallel size 1"):
+        _resolved(*MOE, "parallel.ep=2", world=1)
+
+
+def test_the_memory_estimator_refuses_an_moe_model_instead_of_leaving_out_its_experts():
+    from megatron_logra.memory.shapes import shape_from_model_config
+
+    with pytest.raises(ValueError, match="model.num_moe_experts=4: the memory estimator has no "
+                                         "expert terms yet"):
+        shape_from_model_config(_resolved(*MOE).model, vocab_size=96)
