@@ -20,7 +20,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -44,7 +43,7 @@ from tests.layouts import (
     norm_rel_err,
 )
 from tests.presets import tiny_logra_run
-from tests.torchrun import REPO, torchrun_env
+from tests.torchrun import REPO, run_torchrun, torchrun_env
 
 pytestmark = pytest.mark.distributed
 
@@ -101,10 +100,9 @@ def _assert_resumed_matches(resumed: Path, reference: Path, *, loss_rel_tol: flo
 
 
 def _digest(checkpoint: Path) -> str:
-    result = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "checkpoint_digest.py"), str(checkpoint)],
-        env=torchrun_env(), capture_output=True, text=True, timeout=120, cwd=REPO, check=True,
-    )
+    """tools/checkpoint_digest.py's digest line, the tool run as a one-rank job."""
+    result = run_torchrun(1, [str(REPO / "tools" / "checkpoint_digest.py"), str(checkpoint)],
+                          timeout_s=120)
     last = result.stdout.strip().splitlines()[-1]
     assert last.startswith("digest ")
     return last.split()[1]
@@ -199,9 +197,10 @@ def _copy_checkpoint(src: Path, dst: Path) -> Path:
 
 
 def _resume_fails(runs: CliRuns, run_dir: Path, ckpt: Path, extra: list[str]) -> str:
-    command = runs.torchrun_command(1, [*extra, "checkpoint.resume=true"], run_dir, ckpt)
-    result = subprocess.run(command, env=torchrun_env(), capture_output=True, text=True,
-                            timeout=300, cwd=REPO)
+    """The stderr of a one-rank resume that must exit nonzero (a forked rank, as every
+    :func:`run_torchrun` job; the refusal is the CLI's, whatever started the process)."""
+    result = run_torchrun(1, runs.cli_args([*extra, "checkpoint.resume=true"], run_dir, ckpt),
+                          timeout_s=300, check=False)
     assert result.returncode != 0
     return result.stderr
 
