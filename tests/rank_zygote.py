@@ -110,8 +110,6 @@ def _run_child(job: dict, reply_fd: int) -> None:
 
 
 def zygote_main() -> None:
-    for name in PRELOAD:
-        importlib.import_module(name)
     # Replies go to a private copy of stdout; fd 1 and 2 point to /dev/null so that nothing
     # printed by the imports can corrupt them (a child reopens both on its own files).
     reply_fd = os.dup(1)
@@ -119,6 +117,8 @@ def zygote_main() -> None:
     os.dup2(null, 1)
     os.dup2(null, 2)
     replies = os.fdopen(reply_fd, "w", buffering=1)
+    for name in PRELOAD:
+        importlib.import_module(name)
     for line in sys.stdin:
         job = json.loads(line)
         sys.stdout.flush()
