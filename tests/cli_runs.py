@@ -69,13 +69,25 @@ class CliRuns:
     def resumed(self, name: str, first: Layout, second: Layout, *, stop_after: int) -> Path:
         """Steps 1..stop_after at ``first`` (``train.exit_interval``), then resumed from its
         checkpoint (``checkpoint.resume=true``) and finished at ``second``: one run directory."""
+        return self.chained(name, [first, second], [stop_after])
+
+    def chained(self, name: str, legs: Sequence[Layout], stops: Sequence[int]) -> Path:
+        """Leg ``i`` at ``legs[i]`` runs to step ``stops[i]`` (``train.exit_interval``) and
+        saves; the next leg resumes from that checkpoint; the last runs to the end. One run
+        directory: every reshard of the chain is checked by one comparison with the
+        uninterrupted run, at the price of one job per leg instead of two per reshard."""
+        if len(stops) != len(legs) - 1 or list(stops) != sorted(set(stops)):
+            raise ValueError(f"chained {name!r}: {len(legs)} legs need {len(legs) - 1} "
+                             f"increasing stop steps, got {list(stops)}")
 
         def launch() -> None:
             ckpt, run_dir = self.checkpoint_dir(name), self.root / name
-            self.launch(first[0], [*first[1], f"train.exit_interval={stop_after}"], run_dir, ckpt)
-            self.launch(second[0], [*second[1], "checkpoint.resume=true"], run_dir, ckpt)
+            for index, (nproc, overrides) in enumerate(legs):
+                resume = ["checkpoint.resume=true"] if index else []
+                stop = [f"train.exit_interval={stops[index]}"] if index < len(stops) else []
+                self.launch(nproc, [*overrides, *resume, *stop], run_dir, ckpt)
 
-        settings = ("resumed", first[0], tuple(first[1]), second[0], tuple(second[1]), stop_after)
+        settings = ("chained", tuple((n, tuple(o)) for n, o in legs), tuple(stops))
         return self._once(name, settings, launch)
 
     def forked(self, name: str, source: str, at_step: int, second: Layout) -> Path:

@@ -1,9 +1,10 @@
 """Checkpoints through the real CLI (DESIGN section 6, rung 4; issue [pipeline] items 3-5).
 
-* resume == uninterrupted: stop after 3 of 6 steps (train.exit_interval), resume, finish: the
-  losses and the final weights are bit-identical on CPU in fp32 (DP=2, distributed optimizer);
-* resharded resume: save at TP=2 x PP=2, resume at TP=1 x PP=1; save at PP=2 x VPP=2, resume at
-  TP=2 x PP=2; and with bf16
+* resume == uninterrupted: a new job resumed from the step-3 checkpoint of a 6-step run
+  finishes it with losses and final weights bit-identical on CPU in fp32 (DP=2, distributed
+  optimizer);
+* resharded resume: save at PP=2 x VPP=2, resume at TP=2 x PP=2; save at TP=2 x PP=2, resume
+  at TP=1 x PP=1 (one chain of three jobs); and with bf16
   sharded masters from DP=2 to TP=2 x PP=2: the uninterrupted run's losses and weights, to the
   tolerance of the arithmetic that changed;
 * a save killed half-way leaves the previous checkpoint as the newest loadable one;
@@ -19,7 +20,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -43,7 +43,7 @@ from tests.layouts import (
     norm_rel_err,
 )
 from tests.presets import tiny_logra_run
-from tests.torchrun import REPO, torchrun_env
+from tests.torchrun import REPO, run_torchrun, torchrun_env
 
 pytestmark = pytest.mark.distributed
 
@@ -62,9 +62,15 @@ def runs(tmp_path_factory, synthetic_data_dir) -> CliRuns:
                    synthetic_data_dir)
 
 
+# The full run saves after step 3 as well: the resume test forks from it, the corrupt-file
+# tests damage a copy of it.
+MID_STEP = 3
+
+
 def _full(runs: CliRuns) -> Path:
-    """Six steps at DP=2 with the distributed optimizer, checkpointed."""
-    return runs.run("full", *LAYOUTS["dp2_distopt"], checkpointed=True)
+    """Six steps at DP=2 with the distributed optimizer, checkpointed after steps 3 and 6."""
+    nproc, layout = LAYOUTS["dp2_distopt"]
+    return runs.run("full", nproc, [*layout, f"checkpoint.interval={MID_STEP}"], checkpointed=True)
 
 
 def _reference_tp1(runs: CliRuns) -> Path:
@@ -94,18 +100,22 @@ def _assert_resumed_matches(resumed: Path, reference: Path, *, loss_rel_tol: flo
 
 
 def _digest(checkpoint: Path) -> str:
-    result = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "checkpoint_digest.py"), str(checkpoint)],
-        env=torchrun_env(), capture_output=True, text=True, timeout=120, cwd=REPO, check=True,
-    )
+    """tools/checkpoint_digest.py's digest line, the tool run as a one-rank job."""
+    result = run_torchrun(1, [str(REPO / "tools" / "checkpoint_digest.py"), str(checkpoint)],
+                          timeout_s=120)
     last = result.stdout.strip().splitlines()[-1]
     assert last.startswith("digest ")
     return last.split()[1]
 
 
 def test_resume_is_bitwise_equal_to_the_uninterrupted_run(runs):
+    """Steps 4-6 in a new job from the full run's step-3 checkpoint. The claim is the one a
+    job stopped after step 3 (``train.exit_interval``) and resumed makes: what a checkpoint
+    holds is the state after its step whichever way the job went on, and the resumed job
+    starts from nothing but that checkpoint. (The stopping save is exercised by the chained
+    reshards below.)"""
     full = _full(runs)
-    split = runs.resumed("split", LAYOUTS["dp2_distopt"], LAYOUTS["dp2_distopt"], stop_after=3)
+    split = runs.forked("split", "full", MID_STEP, LAYOUTS["dp2_distopt"])
     assert _losses(split) == _losses(full)
     want, got = _weights(full), _weights(split)
     assert all(torch.equal(got[k], want[k]) for k in want)
@@ -114,16 +124,19 @@ def test_resume_is_bitwise_equal_to_the_uninterrupted_run(runs):
         runs.checkpoint_dir("full") / final)
 
 
-@pytest.mark.parametrize(
-    ("name", "first", "second"),
-    [("tp2pp2_to_tp1", LAYOUTS["tp2_pp2"], LAYOUTS["tp1"]),
-     # Virtual stages: every chunk's layers restart at local index 0, so this catches keys
-     # that collide across chunks; loading at TP=2 x PP=2 reshards on the way in.
-     ("pp2vpp2_to_tp2pp2", LAYOUTS["pp2_vpp2"], LAYOUTS["tp2_pp2"])],
-)
-def test_resharded_resume_matches_the_uninterrupted_run(name, first, second, runs):
+def test_resharded_resume_matches_the_uninterrupted_run(runs):
+    """Steps 1-2 at PP=2 x VPP=2, 3-4 resumed at TP=2 x PP=2, 5-6 resumed at TP=1 x PP=1.
+
+    Both reshards the suite checks, in one chain of three jobs (they were two runs of two jobs
+    each): virtual stages -> TP=2 x PP=2 (every chunk's layers restart at local index 0, so
+    this catches keys that collide across chunks; loading at TP=2 x PP=2 reshards on the way
+    in), and TP=2 x PP=2 -> TP=1. Each reshard is followed by steps whose losses are compared
+    with the uninterrupted run's, and a weight a reshard got wrong stays wrong in the final
+    weights (a later step adds an update to it; it does not restore what was lost), which are
+    compared too: same bounds, same claims."""
     reference = _reference_tp1(runs)
-    resumed = runs.resumed(name, first, second, stop_after=3)
+    resumed = runs.chained("pp2vpp2_to_tp2pp2_to_tp1",
+                           [LAYOUTS["pp2_vpp2"], LAYOUTS["tp2_pp2"], LAYOUTS["tp1"]], [2, 4])
     _assert_resumed_matches(resumed, reference, loss_rel_tol=RESHARD_LOSS_REL_TOL,
                             weight_err=max_entry_rel_err, weight_tol=RESHARD_WEIGHT_REL_TOL)
 
@@ -184,19 +197,23 @@ def _copy_checkpoint(src: Path, dst: Path) -> Path:
 
 
 def _resume_fails(runs: CliRuns, run_dir: Path, ckpt: Path, extra: list[str]) -> str:
-    command = runs.torchrun_command(1, [*extra, "checkpoint.resume=true"], run_dir, ckpt)
-    result = subprocess.run(command, env=torchrun_env(), capture_output=True, text=True,
-                            timeout=300, cwd=REPO)
+    """The stderr of a one-rank resume that must exit nonzero (a forked rank, as every
+    :func:`run_torchrun` job; the refusal is the CLI's, whatever started the process)."""
+    result = run_torchrun(1, runs.cli_args([*extra, "checkpoint.resume=true"], run_dir, ckpt),
+                          timeout_s=300, check=False)
     assert result.returncode != 0
     return result.stderr
 
 
 @pytest.mark.parametrize("damage", ["flipped_byte", "truncated"])
 def test_a_corrupt_checkpoint_is_refused_naming_the_file(damage, runs):
-    runs.run("two_steps", 1, ["train.exit_interval=2"], checkpointed=True)
-    source = runs.checkpoint_dir("two_steps") / "iter_0000002"
+    """A damaged copy of the full run's step-3 checkpoint (the files are checked against the
+    manifest before anything of the checkpoint is read, whatever the layout)."""
+    _full(runs)
+    step_dir = f"iter_{MID_STEP:07d}"
+    source = runs.checkpoint_dir("full") / step_dir
     ckpt = runs.root / f"corrupt_{damage}"
-    copy = _copy_checkpoint(source, ckpt / "iter_0000002")
+    copy = _copy_checkpoint(source, ckpt / step_dir)
     victim = sorted(copy.glob("*.distcp"))[0]
     data = bytearray(victim.read_bytes())
     if damage == "flipped_byte":

@@ -103,13 +103,20 @@ def hf_models(tmp_path_factory) -> dict[str, Path]:
     return paths
 
 
-def _tool(*args: str) -> subprocess.CompletedProcess[str]:
+def _tool(*args: str) -> None:
+    """``python tools/convert_hf.py ARGS`` as a one-rank job (run_torchrun: a fork that has
+    Megatron imported already); the tool reads a world of one from the environment, which is
+    what it assumes without one. Raises with the tool's output if it fails."""
+    run_torchrun(1, [CONVERT, *args], timeout_s=TOOL_TIMEOUT_S)
+
+
+def _tool_process(*args: str) -> None:
+    """The tool as a process of its own: for a multi-rank layout it launches torchrun itself."""
     result = subprocess.run([sys.executable, CONVERT, *args], cwd=REPO, env=torchrun_env(),
                             capture_output=True, text=True, timeout=TOOL_TIMEOUT_S)
     if result.returncode != 0:
         raise AssertionError(f"convert_hf {' '.join(args)} exited {result.returncode}:\n"
                              f"{result.stdout[-4000:]}\n{result.stderr[-6000:]}")
-    return result
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +128,7 @@ def converted(hf_models, tmp_path_factory) -> dict[str, Path]:
         out[name] = root / name
         _tool("to-megatron", str(path), str(out[name]))
     out["qwen_tp2_pp2"] = root / "qwen_tp2_pp2"
-    _tool("to-megatron", str(hf_models["qwen"]), str(out["qwen_tp2_pp2"]), "parallel.tp=2",
+    _tool_process("to-megatron", str(hf_models["qwen"]), str(out["qwen_tp2_pp2"]), "parallel.tp=2",
           "parallel.pp=2")
     return out
 

@@ -136,9 +136,12 @@ def test_poisoned_sketch_raises_and_leaves_every_weight_untouched(nproc, mode,
 
 
 def test_controller_state_survives_resume(runs):
+    """Steps 3-4 in a new job from the uninterrupted run's own step-2 checkpoint (one job less
+    than stopping a second run after step 2): the resumed job has nothing of the controller
+    but what the checkpoint holds, which is the state after step 2 however the job went on."""
     extra = ["logra.kl_control.mismatch_input=3e-5", *DISTOPT]
-    full = runs.run("resume_full", 2, extra)
-    split = runs.resumed("resume_split", (2, extra), (2, extra), stop_after=2)
+    full = runs.run("resume_full", 2, [*extra, "checkpoint.interval=2"], checkpointed=True)
+    split = runs.forked("resume_split", "resume_full", 2, (2, extra))
     want, got = read_metrics(full / "metrics.jsonl"), read_metrics(split / "metrics.jsonl")
     fields = ("loss", "alpha", "kl_predicted", "mismatch", "kl_budget_effective", "kl_realized")
     assert [[r[f] for f in fields] for r in got] == [[r[f] for f in fields] for r in want]

@@ -51,7 +51,15 @@ def runs(tmp_path_factory, synthetic_data_dir) -> CliRuns:
     return CliRuns(tmp_path_factory.mktemp("rl"), "rl", CONFIG, BASE, synthetic_data_dir)
 
 
+# The TP=1 run saves after step 2: the resume test forks from it.
+RESUME_AFTER = 2
+
+
 def _layout_run(runs: CliRuns, layout: str) -> Path:
+    if layout == "tp1":
+        nproc, parallel = LAYOUTS[layout]
+        return runs.run(layout, nproc, [*parallel, f"checkpoint.interval={RESUME_AFTER}"],
+                        checkpointed=True)
     return runs.run(layout, *LAYOUTS[layout])
 
 
@@ -112,8 +120,11 @@ def test_grpo_with_reference_kl_is_on_policy(runs):
 
 
 def test_rl_resume_equals_the_uninterrupted_run(runs):
+    """Step 3 in a new job from the TP=1 run's own step-2 checkpoint (one job less than
+    stopping a second run after step 2): the resumed job has nothing of the baseline or the
+    controller but what the checkpoint holds, the state after step 2 however the job went on."""
     full = _layout_run(runs, "tp1")
-    split = runs.resumed("split", (1, []), (1, []), stop_after=2)
+    split = runs.forked("split", "tp1", RESUME_AFTER, LAYOUTS["tp1"])
     fields = ("loss", "reward", "baseline", "alpha", "mismatch", "kl_realized", *EVAL_FIELDS)
     want = [[r.get(f) for f in fields] for r in read_metrics(full / "metrics.jsonl")]
     got = [[r.get(f) for f in fields] for r in read_metrics(split / "metrics.jsonl")]

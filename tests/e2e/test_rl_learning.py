@@ -48,6 +48,12 @@ RL_STEPS = 150
 # problems, the problems whose outcome flipped). One-sided, evaluation noise alone reaches it
 # with probability ~0.1%.
 MARGIN_Z = 3.0
+# The claim is on greedy answers only. The evaluation samples k answers per problem for pass@k
+# besides (the demo's k = 4: 4000 sampled responses per evaluation); one is the least the CLI
+# takes. The greedy answers do not depend on k (another generate call, counter-based sampling
+# keyed by the request's seed and each sequence's index), nor does training (the evaluation
+# draws from no generator the RL steps use).
+EVAL_ONE_SAMPLE = "rl.eval.samples=1"
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +67,7 @@ def rl_run(tmp_path_factory) -> Path:
     run_torchrun(DEMO.NPROC, [*common, "rl", str(CONFIG), f"data.dir={data_dir}",
                               f"model.init_checkpoint={sft_dir / 'model'}",
                               f"train.steps={RL_STEPS}", "rl.eval.interval=0",
-                              f"run.dir={rl_dir}"])
+                              EVAL_ONE_SAMPLE, f"run.dir={rl_dir}"])
     return rl_dir
 
 
