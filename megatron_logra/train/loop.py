@@ -142,28 +142,53 @@ def _run(cfg: Config, groups: ParallelGroups, job: Job) -> dict[str, Any]:
         for initial in job.initial_records(start_step):
             if is_rank0:
                 log.log(initial)
-        for step in range(start_step, cfg.train.steps):
-            record = job.step(step)
-            if state_bytes is None:
-                # After the first step: Adam allocates its moments lazily.
-                state_bytes = gather_state_bytes(job.setup, groups)
-                record.update(state_bytes_totals(state_bytes))
-            completed = step + 1
-            record.update(job.after_step(completed))
-            if is_rank0:
-                log.log(record)
-            preempted = preemption.agreed(groups.device)
-            exiting = cfg.train.exit_interval and completed - start_step >= cfg.train.exit_interval
-            due = ckpt.interval and completed % ckpt.interval == 0
-            if ckpt.dir and (due or preempted or exiting or completed == cfg.train.steps):
-                save_checkpoint(ckpt.dir, step=completed, setup=job.setup, cfg=cfg,
-                                groups=groups, extra_common=job.checkpoint_state())
-            if preempted or exiting:
-                logger.warning("stopping after step %d (%s)", completed,
-                               "SIGTERM" if preempted else "train.exit_interval")
-                break
+        step = start_step
+        try:
+            for step in range(start_step, cfg.train.steps):
+                record = job.step(step)
+                if state_bytes is None:
+                    # After the first step: Adam allocates its moments lazily.
+                    state_bytes = gather_state_bytes(job.setup, groups)
+                    record.update(state_bytes_totals(state_bytes))
+                completed = step + 1
+                record.update(job.after_step(completed))
+                if is_rank0:
+                    log.log(record)
+                preempted = preemption.agreed(groups.device)
+                exiting = (cfg.train.exit_interval
+                           and completed - start_step >= cfg.train.exit_interval)
+                due = ckpt.interval and completed % ckpt.interval == 0
+                if ckpt.dir and (due or preempted or exiting or completed == cfg.train.steps):
+                    save_checkpoint(ckpt.dir, step=completed, setup=job.setup, cfg=cfg,
+                                    groups=groups, extra_common=job.checkpoint_state())
+                if preempted or exiting:
+                    logger.warning("stopping after step %d (%s)", completed,
+                                   "SIGTERM" if preempted else "train.exit_interval")
+                    break
+        except Exception as error:
+            _explain_failure(error, cfg, groups, step + 1)
+            raise
     _finish(cfg, groups, job, state_bytes)
     return record
+
+
+def _explain_failure(error: Exception, cfg: Config, groups: ParallelGroups, step: int) -> None:
+    """Say, on the rank that fails, which step failed, what a collective timeout means and what
+    a resume would start from (a note on the exception, so its type and exit code stay)."""
+    lines = [f"rank {groups.world_rank} of {groups.world_size} failed during step {step}"]
+    if groups.world_size > 1:
+        # A dead rank is seen by the others only as a collective that never completes.
+        lines.append(
+            f"if another rank died, the surviving ranks stop within "
+            f"parallel.collective_timeout_s={cfg.parallel.collective_timeout_s:g} s of its death "
+            "(a gloo or NCCL timeout or a closed connection above is how that shows)")
+    if cfg.checkpoint.dir:
+        newest = latest_checkpoint(cfg.checkpoint.dir)
+        lines.append(f"newest complete checkpoint: {newest or 'none'}; rerun with "
+                     "checkpoint.resume=true to continue from it")
+    note = "; ".join(lines)
+    error.add_note(note)
+    logger.error("%s: %s: %s", note, type(error).__name__, str(error).splitlines()[0] if str(error) else "")
 
 
 def _finish(
