@@ -10,7 +10,8 @@ the same for every command:
    persistent state bytes after the first step (optimizer state is allocated lazily), the job's
    end-of-step additions (RL's held-out evaluations);
 5. checkpoints every ``checkpoint.interval`` steps, at the end, on SIGTERM (agreed on by every
-   rank) and when ``train.exit_interval`` ends the invocation early;
+   rank; each rank then records the save for the launch script, see preemption.py) and when
+   ``train.exit_interval`` ends the invocation early;
 6. at the end: state_bytes.json, the model-only checkpoint (run.save_model), the full weights
    (run.save_full_weights) and the plots.
 
@@ -45,7 +46,7 @@ from megatron_logra.mcore import (
 from megatron_logra.train.metric_sinks import metric_sinks
 from megatron_logra.train.metrics import MetricsLog
 from megatron_logra.train.plots import plot_metrics
-from megatron_logra.train.preemption import PreemptionFlag
+from megatron_logra.train.preemption import PreemptionFlag, record_preempted_save
 from megatron_logra.train.run_files import (
     FULL_WEIGHTS_FILE,
     METRICS_FILE,
@@ -96,11 +97,14 @@ def run(cfg: Config, build_job: Callable[[Config, ParallelGroups], Job]) -> dict
     try:
         job = build_job(cfg, groups)
         try:
-            return _run(cfg, groups, job)
+            record, preempted_save = _run(cfg, groups, job)
         finally:
             job.close()
     finally:
         destroy_parallel()
+    if preempted_save is not None:
+        record_preempted_save(preempted_save)
+    return record
 
 
 def _resume(cfg: Config, job: Job, groups: ParallelGroups) -> int:
@@ -119,7 +123,9 @@ def _resume(cfg: Config, job: Job, groups: ParallelGroups) -> int:
     return int(common["step"])
 
 
-def _run(cfg: Config, groups: ParallelGroups, job: Job) -> dict[str, Any]:
+def _run(cfg: Config, groups: ParallelGroups, job: Job) -> tuple[dict[str, Any], int | None]:
+    """The steps; returns the last record and, when SIGTERM stopped the run after a
+    checkpoint, the step that checkpoint holds."""
     is_rank0 = groups.world_rank == 0
     run_dir = Path(cfg.run.dir)
     # Before anything is saved: a killed save of an earlier run may have left staging
@@ -137,6 +143,7 @@ def _run(cfg: Config, groups: ParallelGroups, job: Job) -> dict[str, Any]:
     )
     record: dict[str, Any] = {}
     state_bytes: list[dict[str, int]] | None = None
+    preempted_save: int | None = None
     ckpt = cfg.checkpoint
     with log, PreemptionFlag() as preemption:
         for initial in job.initial_records(start_step):
@@ -161,6 +168,8 @@ def _run(cfg: Config, groups: ParallelGroups, job: Job) -> dict[str, Any]:
                 if ckpt.dir and (due or preempted or exiting or completed == cfg.train.steps):
                     save_checkpoint(ckpt.dir, step=completed, setup=job.setup, cfg=cfg,
                                     groups=groups, extra_common=job.checkpoint_state())
+                if preempted and ckpt.dir:
+                    preempted_save = completed
                 if preempted or exiting:
                     logger.warning("stopping after step %d (%s)", completed,
                                    "SIGTERM" if preempted else "train.exit_interval")
@@ -169,7 +178,7 @@ def _run(cfg: Config, groups: ParallelGroups, job: Job) -> dict[str, Any]:
             _explain_failure(error, cfg, groups, step + 1)
             raise
     _finish(cfg, groups, job, state_bytes)
-    return record
+    return record, preempted_save
 
 
 def _explain_failure(error: Exception, cfg: Config, groups: ParallelGroups, step: int) -> None:
