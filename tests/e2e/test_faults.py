@@ -13,8 +13,10 @@
   mid-file that a full disk (ENOSPC) or an exhausted quota (EDQUOT) gives, reaching
   dist_checkpointing's writer processes the same way.
 
-The math-verify pool's crash and hang handling (counted, scored as failed, worker replaced, the
-next batch graded) is tested on the pool itself in tests/unit/test_rl_rewards.py.
+* Grading that fails (every response past math-verify's batch deadline): each RL step goes on,
+  those responses scored as incorrect, and the metrics count them (``reward_failed``). How the
+  pool recovers from a crashed or hung worker (counted, killed, replaced, the next batch graded)
+  is tested on the pool itself in tests/unit/test_rl_rewards.py.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from megatron_logra.train.metrics import read_metrics
 from tests.cli_runs import CliRuns
 from tests.layouts import LAYOUTS
 from tests.presets import tiny_gpt, tiny_logra_run
-from tests.torchrun import REPO, _free_port, rank_env, torchrun_env
+from tests.torchrun import REPO, _free_port, rank_env, run_torchrun, torchrun_env
 
 pytestmark = pytest.mark.distributed
 
@@ -235,3 +237,32 @@ def test_a_save_that_runs_out_of_space_leaves_the_previous_checkpoint_intact_and
     )
     assert digest.returncode == 0, digest.stderr[-3000:]
     assert digest.stdout.strip().splitlines()[-1].startswith("digest ")
+
+
+# Far below the time math-verify takes to grade one response (~1 ms at best): every response of
+# every batch is still ungraded at the deadline.
+EXPIRED_BATCH_TIMEOUT_S = 1e-6
+RL_STEPS = 2
+RL_PROMPTS = 8
+
+
+def test_rl_steps_go_on_when_grading_fails_scoring_the_responses_as_failed_and_counting_them(
+    synthetic_data_dir, tmp_path
+):
+    run_dir = tmp_path / "rl"
+    run_torchrun(1, [
+        "-m", "megatron_logra", "rl", str(REPO / "configs" / "demo_rl_cpu.yaml"),
+        "parallel.device=cpu", "parallel.tp=1", *tiny_gpt(), f"train.steps={RL_STEPS}",
+        "train.micro_batch_size=4", f"rl.prompts_per_step={RL_PROMPTS}",
+        "rl.samples_per_prompt=1", "rl.sampling.max_new_tokens=5", "rl.eval.interval=0",
+        "rl.eval.prompts=4", "rl.eval.samples=1",
+        "rl.reward.name=math_verify", "rl.reward.math_verify.num_workers=1",
+        f"rl.reward.math_verify.batch_timeout_s={EXPIRED_BATCH_TIMEOUT_S}",
+        f"data.dir={synthetic_data_dir}", f"run.dir={run_dir}",
+    ])
+    records = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["step"] > 0]
+    assert [r["step"] for r in records] == list(range(1, RL_STEPS + 1))
+    for record in records:
+        # Every response failed to grade, was scored as incorrect, and the step still ran.
+        assert record["reward_failed"] == RL_PROMPTS, record
+        assert record["accuracy"] == 0.0 and record["reward"] == 0.0
