@@ -126,7 +126,7 @@ run_or_print() {
     echo "${line% }"
     [[ ${DRY_RUN} -eq 1 ]] && exit 0
     local records
-    records="$(mktemp -d "${TMPDIR:-/tmp}/megatron-logra-preemption.XXXXXX")"
+    records="$(mktemp -d -t megatron-logra-preemption.XXXXXX)"
     export "${PREEMPTION_RECORD_ENV}=${records}"
     local signalled=0 child status
     "$@" &
