@@ -12,7 +12,6 @@
   write of the first checkpoint shard larger than the limit (EFBIG) -- the same failed write(2)
   mid-file that a full disk (ENOSPC) or an exhausted quota (EDQUOT) gives, reaching
   dist_checkpointing's writer processes the same way.
-
 * Grading that fails (every response past math-verify's batch deadline): each RL step goes on,
   those responses scored as incorrect, and the metrics count them (``reward_failed``). How the
   pool recovers from a crashed or hung worker (counted, killed, replaced, the next batch graded)
