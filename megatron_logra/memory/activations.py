@@ -295,7 +295,7 @@ def _at_backward_peak(shape: ModelShape, layout: Layout, saved: ActivationBreakd
     rebuilt = saved.recomputed_layer if layout.recompute == "full" else 0.0
     output = (softmax + rebuilt, output_temporaries)
     moments = [mlp, output]
-    if layout.attention == "local" and layout.recompute == "selective":
+    if layout.attention == "local":
         moments.append(built_layer.local_recompute_moment(shape, layout, e, freed_mlp=freed))
     moment = max(moments, key=lambda m: saved.total - m[0] + m[1])
     return dataclasses.replace(saved, freed_before_peak=moment[0], temporaries=moment[1])

@@ -136,27 +136,32 @@ def output_backward_temporaries(shape: ModelShape, layout: Layout, e: int, *,
     return grads
 
 
-LOCAL_RECOMPUTE_COPIES = 4
-"""``local`` with selective recompute: ``[b, a/t, s, s]`` and ``[T, qd/t]`` tensors of the
-rebuilt core attention alive at once in its backward (its probabilities, their cast and
-gradients; queries, keys, values and the context's gradient; measured: 4 each)."""
+LOCAL_RECOMPUTE_PROBS_FP32 = 3
+"""``local`` with selective recompute, in the rebuilt core attention's backward: fp32
+``[b, a/t, s, s]`` tensors alive at once (the rebuilt probabilities and two fp32 gradients),
+beside one more in the activation dtype (fp32: a third gradient; bf16: the probabilities'
+cast). Measured: 4 fp32 in fp32, 3 fp32 + 1 bf16 in bf16."""
+LOCAL_RECOMPUTE_WIDTH_COPIES = 4
+"""``[T, qd/t]`` gradients alive there (queries, keys, values, the context; measured: 4)."""
 
 
 def local_recompute_moment(shape: ModelShape, layout: Layout, e: int, *,
                            freed_mlp: float) -> tuple[float, float]:
-    """``(saved bytes freed, temporaries)`` when ``local`` attention's selective recompute
-    rebuilds the last layer's core attention in backward: its MLP's saved tensors are freed
-    by then, beside the output stage's (``freed_mlp`` counts those and the last fc2's)."""
+    """``(saved bytes freed, temporaries)`` in the backward of ``local`` attention's core
+    attention in the last layer (rebuilt there under selective recompute): its MLP's saved
+    tensors are freed by then, beside the output stage's (``freed_mlp`` counts those and the
+    last fc2's); the ``s x s`` gradients are the temporaries."""
     T, t = layout.tokens, layout.tp
-    h, F = shape.hidden_size, shape.ffn_hidden_size
     s, b = layout.seq_length, layout.micro_batch_size
     heads = shape.num_attention_heads / t
-    mlp = (e * layout.sharded_tokens * h  # fc1's input (norm output, dense)
+    mlp = (e * layout.sharded_tokens * shape.hidden_size  # fc1's input (norm output, dense)
            + gated_mlp_bytes(shape, layout, e)
            + norm_saved_bytes(shape, layout.sharded_tokens, e, weight_trained=True))
-    temporaries = LOCAL_RECOMPUTE_COPIES * (e * b * heads * s * s
-                                            + e * T * shape.query_width / t)
-    del F
+    probs = (LOCAL_RECOMPUTE_PROBS_FP32 * FP32_BYTES + e) * b * heads * s * s
+    if layout.recompute != "selective":
+        # Saved (no recompute) or rebuilt with its layer (full): already among the activations.
+        probs -= (FP32_BYTES + (e if e != FP32_BYTES else 0)) * b * heads * s * s
+    temporaries = probs + LOCAL_RECOMPUTE_WIDTH_COPIES * e * T * shape.query_width / t
     return freed_mlp + mlp, temporaries
 
 
