@@ -456,6 +456,10 @@ class MethodSettings:
     logra_precision: str = "bf16_sharded_master"
     logra_non_targets: str = "adam"
     targets: tuple[str, ...] = TARGET_LINEARS
+    logra_paper_mode: bool = False
+    """LoGRA's paper mode: its update ratio computes the target weights' norm after backward."""
+    kl_probe: KLProbe | None = None
+    """LoGRA's predicted-KL step control and its probe on one DP rank (None: off)."""
 
 
 def estimate_all(
@@ -471,7 +475,8 @@ def estimate_all(
         "logra": logra_memory(shape, layout, sketch_rank=st.sketch_rank,
                               precision=st.logra_precision,
                               distributed_optimizer=st.distributed_optimizer,
-                              non_targets=st.logra_non_targets, targets=st.targets),
+                              non_targets=st.logra_non_targets, targets=st.targets,
+                              paper_mode=st.logra_paper_mode, kl_probe=st.kl_probe),
     }
 
 

@@ -63,8 +63,12 @@ def kl_chunk_bytes(shape: ModelShape, layout: Layout) -> float:
 PROBE_QUERY_BLOCK = 1024
 """Query rows per block of the sdpa tangent rule (``mcore/models/sdpa_forward_ad.py``)."""
 PROBE_ATTENTION_BLOCK_COPIES = 5
-"""``[b, a/t, block, s]`` tensors alive at once in that rule: scores, the two products of the
-score tangent and their sum, the probabilities (measured: 5)."""
+"""``[b, a/t, block, s]`` tensors alive at once in that rule: scores, the score tangent, the
+probabilities, the centred tangent and its product with the probabilities (measured: 5)."""
+PROBE_ATTENTION_BLOCK_COPIES_LATER = 7
+"""The same from the second block of query rows on: the previous block's tensors stay bound to
+their loop variables while the next block's are computed (measured: 7 at 2048 tokens, two
+blocks)."""
 PROBE_ATTENTION_WIDTH_COPIES = 15
 """``[P, qd/t]`` tensors alive beside them: query, key, value in the kernel's layout and their
 tangents, the head-expanded keys and values and their tangents, the residual stream and the
@@ -82,7 +86,8 @@ def probe_forward_bytes(shape: ModelShape, layout: Layout, probe: KLProbe, e: in
     s = probe.tokens_per_sequence
     heads = shape.num_attention_heads / t
     block = min(s, PROBE_QUERY_BLOCK)
-    attention = PROBE_ATTENTION_BLOCK_COPIES * e * probe.sequences * heads * block * s
+    copies = PROBE_ATTENTION_BLOCK_COPIES if s <= block else PROBE_ATTENTION_BLOCK_COPIES_LATER
+    attention = copies * e * probe.sequences * heads * block * s
     attention += e * P * (PROBE_ATTENTION_WIDTH_COPIES * shape.query_width
                           + 2 * (shape.query_width + 2 * shape.kv_width)) / t
     mlp = (PROBE_MLP_COPIES * e + FP32_BYTES) * P * shape.fc1_width / t
