@@ -20,9 +20,19 @@ the saved activations of one step:
   attention, separate head width, gated MLPs and dropout-free models, and multiplied by the
   microbatches in flight exactly as Megatron-LM's theoretical-memory formula does.
 
+With ``Layout.attention`` set (``sdpa``, ``local``, ``te``: what ``model.attention`` builds), the
+activations are those of the layer our trainer builds (:mod:`.built_layer`: torch norms, the
+unfused gated MLP, the attention kernel's own tensors, recompute per mode) at the backward's
+peak, beside the gradients alive then (``temporaries``) and a persistent work buffer
+(``buffers``); LoGRA's paper-mode weight norms and KL probe run after backward
+(:mod:`.step_phases`, ``after_backward``), and the step's peak is the larger of the two. Checked
+against the live-tensor tracker on the model the product builds (tools/estimate_vs_measured.py).
+:func:`megatron_logra.memory.from_config.estimate_for_config` maps a run's config to all this.
+
 Not modelled (each is small or transient): torch Adam's 4-byte step counter per parameter
 tensor, DDP grad-buffer alignment padding, communication buffers, allocator fragmentation, the
-CUDA context, and temporaries of the optimizer step (e.g. LoGRA's ``D A`` product per target).
+CUDA context, and temporaries of the optimizer step other than those above (e.g. LoGRA's
+``D A`` product per target, torch Adam's per-tensor temporaries).
 
 Bytes per parameter, by method and precision (``dp`` = data-parallel size; ``/dp`` only with
 Megatron's distributed optimizer, or for LoGRA's sharded masters):
