@@ -159,7 +159,7 @@ def built_layer_terms(
     proj_keeps_input = modes["linear_proj"] in ("dense", "lora")
     terms: dict[str, float] = {}
     terms["input_norm"] = built_layer.norm_saved_bytes(
-        shape, T_s, e, weight_trained=norms_trained)
+        shape, T_s, weight_trained=norms_trained)
     terms["linear_qkv_input"], terms["linear_qkv_lowrank"] = linear("linear_qkv")
     terms["qkv_output"] = built_layer.qkv_output_bytes(shape, layout, e)
     terms["rotary"] = built_layer.rotary_bytes(shape, layout, e)
@@ -172,7 +172,7 @@ def built_layer_terms(
     # both counted above: only the adapter's or the sketch's low-rank activation is added.
     terms["linear_proj_lowrank"] = linear("linear_proj")[1]
     terms["pre_mlp_norm"] = built_layer.norm_saved_bytes(
-        shape, T_s, e, weight_trained=norms_trained)
+        shape, T_s, weight_trained=norms_trained)
     terms["linear_fc1_input"], terms["linear_fc1_lowrank"] = linear("linear_fc1")
     terms["gated_mlp"] = built_layer.gated_mlp_bytes(shape, layout, e)
     terms["linear_fc2_input"], terms["linear_fc2_lowrank"] = linear("linear_fc2")
@@ -257,7 +257,7 @@ def stage_activation_bytes(
         # the fp32 softmax of its [T, V/tp] logits.
         final_norm = e * T_s * h
         if built:
-            final_norm = built_layer.norm_saved_bytes(shape, T_s, e,
+            final_norm = built_layer.norm_saved_bytes(shape, T_s,
                                                       weight_trained=norms_trained)
             final_norm += built_layer.cross_entropy_target_bytes(layout)
         output = final_norm + output_input + FP32_BYTES * T * vocab / layout.tp

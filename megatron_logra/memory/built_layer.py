@@ -26,15 +26,13 @@ ROTARY_TABLES = 4
 queries and once for keys in every layer (``[T, d]`` each)."""
 
 
-def norm_saved_bytes(shape: ModelShape, tokens: float, e: int, *,
-                     weight_trained: bool) -> float:
+def norm_saved_bytes(shape: ModelShape, tokens: float, *, weight_trained: bool) -> float:
     """A torch RMSNorm / LayerNorm over ``[tokens, h]``, what it keeps besides its output.
 
     It normalises in fp32: its input is upcast (a new fp32 copy in bf16; the input itself in
     fp32) and kept for the input gradient, with the fp32 ``1/rms`` per token; a trainable weight
     also keeps the fp32 normalised input for its gradient ("the trainable norm's saved
     input")."""
-    del e  # the norm computes in fp32 whatever the activation dtype
     h = shape.hidden_size
     saved = FP32_BYTES * tokens * h + FP32_BYTES * tokens  # fp32 input, 1/rms
     if weight_trained:
@@ -156,7 +154,7 @@ def local_recompute_moment(shape: ModelShape, layout: Layout, e: int, *,
     heads = shape.num_attention_heads / t
     mlp = (e * layout.sharded_tokens * shape.hidden_size  # fc1's input (norm output, dense)
            + gated_mlp_bytes(shape, layout, e)
-           + norm_saved_bytes(shape, layout.sharded_tokens, e, weight_trained=True))
+           + norm_saved_bytes(shape, layout.sharded_tokens, weight_trained=True))
     probs = (LOCAL_RECOMPUTE_PROBS_FP32 * FP32_BYTES + e) * b * heads * s * s
     if layout.recompute != "selective":
         # Saved (no recompute) or rebuilt with its layer (full): already among the activations.
