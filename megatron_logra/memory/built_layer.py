@@ -160,6 +160,10 @@ def local_recompute_moment(shape: ModelShape, layout: Layout, e: int, *,
         # Saved (no recompute) or rebuilt with its layer (full): already among the activations.
         probs -= (FP32_BYTES + (e if e != FP32_BYTES else 0)) * b * heads * s * s
     temporaries = probs + LOCAL_RECOMPUTE_WIDTH_COPIES * e * T * shape.query_width / t
+    if layout.recompute == "full" and e != FP32_BYTES:
+        # In bf16 the rebuilt layer peaks in its forward's softmax instead: the probabilities'
+        # bf16 cast and the context do not exist yet (measured).
+        mlp += e * b * heads * s * s + e * T * shape.query_width / t
     return freed_mlp + mlp, temporaries
 
 

@@ -27,6 +27,7 @@ CONFIGS = (
     "fp32:sdpa:none", "fp32:sdpa:selective", "fp32:sdpa:full",
     "fp32:local:none", "fp32:local:selective", "fp32:local:full",
     "bf16:sdpa:none", "bf16:sdpa:full", "bf16:local:none", "bf16:local:selective",
+    "bf16:local:full",
 )
 METHODS = ("dense_adam", "lora", "logra", "logra_paper")
 # The tracker cannot follow the KL probe through local attention (the tool says why).
