@@ -110,12 +110,55 @@ parse_launch_args() {
     fi
 }
 
+# The directory in which each worker records that it saved a checkpoint after SIGTERM and
+# stopped cleanly (megatron_logra/train/preemption.py writes one file per rank).
+PREEMPTION_RECORD_ENV=MEGATRON_LOGRA_PREEMPTION_RECORD_DIR
+
 # Prints the command on one line, quoted so that it can be pasted into a shell, then runs it
-# (unless --dry-run). `exec` hands the exit status of torchrun straight to the caller.
+# (unless --dry-run) and exits with its status -- with one exception. On SIGTERM (a scheduler's
+# preemption) or SIGINT the script forwards the signal to torchrun, which forwards it to the workers; each
+# checkpoints and stops, but torchrun itself then exits 1 because it was signalled. When every
+# one of this node's NPROC workers recorded a saved checkpoint, the script exits 0 instead (and
+# says so); otherwise torchrun's status stands.
 run_or_print() {
     local line
     line="$(printf '%q ' "$@")"
     echo "${line% }"
     [[ ${DRY_RUN} -eq 1 ]] && exit 0
-    exec "$@"
+    local records
+    records="$(mktemp -d -t megatron-logra-preemption.XXXXXX)"
+    export "${PREEMPTION_RECORD_ENV}=${records}"
+    local signalled=0 child status
+    "$@" &
+    child=$!
+    # SIGINT too: bash starts a background job with SIGINT ignored, so Ctrl-C reaches torchrun
+    # only through this trap, as a request to checkpoint and stop.
+    trap 'signalled=1; kill -TERM "${child}" 2> /dev/null || true' TERM INT
+    # `wait` returns early (status > 128) when a trapped signal arrives: wait until the job exits.
+    while true; do
+        status=0
+        wait "${child}" || status=$?
+        kill -0 "${child}" 2> /dev/null || break
+    done
+    if [[ ${status} -gt 128 ]]; then
+        # Maybe the status of the interrupted `wait`, not the job's: ask once more (127: the job
+        # was already waited for, and its status is the one we have).
+        local again=0
+        wait "${child}" 2> /dev/null || again=$?
+        [[ ${again} -eq 127 ]] || status=${again}
+    fi
+    trap - TERM INT
+    local saved
+    saved="$(find "${records}" -maxdepth 1 -name 'rank-*.saved' | wc -l)"
+    rm -rf "${records}"
+    if [[ ${signalled} -eq 1 && ${status} -ne 0 && ${saved} -eq ${NPROC} ]]; then
+        echo "${SCRIPT_NAME}: signalled: all ${NPROC} workers saved a checkpoint and stopped;" \
+            "torchrun's exit status ${status} (it was signalled) is reported as 0" >&2
+        exit 0
+    fi
+    if [[ ${signalled} -eq 1 && ${status} -ne 0 ]]; then
+        echo "${SCRIPT_NAME}: signalled: only ${saved} of ${NPROC} workers recorded a saved" \
+            "checkpoint; exiting with torchrun's status ${status}" >&2
+    fi
+    exit "${status}"
 }

@@ -30,6 +30,9 @@ rendezvous (explicit variables win over the ones derived from Slurm):
 
 environment:
   DEVICE, NPROC, PYTHON, OMP_NUM_THREADS as for torchrun_single_node.sh
+
+exit status: torchrun's; on SIGTERM (or SIGINT) the signal is forwarded and the status is 0 when
+every worker on this node saved a checkpoint and stopped (torchrun alone would exit 1).
 EOF
 }
 

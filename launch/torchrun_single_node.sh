@@ -24,6 +24,9 @@ environment:
   NPROC            processes to start when --nproc is not given
   PYTHON           interpreter with megatron_logra installed (default: python on PATH)
   OMP_NUM_THREADS  threads per process on CPU (default: cores / processes)
+
+exit status: torchrun's; on SIGTERM (or SIGINT) the signal is forwarded and the status is 0 when
+every worker on this node saved a checkpoint and stopped (torchrun alone would exit 1).
 EOF
 }
 

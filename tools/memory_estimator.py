@@ -28,6 +28,7 @@ from megatron_logra.memory.estimate import (
     lora_memory,
     megatron_formula,
 )
+from megatron_logra.memory.from_config import kl_probe_of
 from megatron_logra.memory.shapes import (
     GIB,
     LOGRA_PRECISION_OF_MASTER_WEIGHTS,
@@ -65,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "<data.dir>/meta.json)")
     parser.add_argument("--override", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="with --config: a config override, as for the train CLI")
+    parser.add_argument("--as-built", action="store_true",
+                        help="with --config: the model our trainer builds (model.attention, "
+                             "model.recompute), LoGRA's paper-mode weight norms and KL probe, "
+                             "instead of Korthikanti's accounting without recompute")
     lay = parser.add_argument_group("layout (flags override --config)")
     lay.add_argument("--tp", type=int)
     lay.add_argument("--pp", type=int)
@@ -131,9 +136,12 @@ def _config_defaults(args: argparse.Namespace) -> tuple[ModelShape, dict[str, An
         "dp": cfg.parallel.dp,
         "micro_batch_size": cfg.train.micro_batch_size, "seq_length": cfg.model.seq_length,
         "sequence_parallel": cfg.parallel.sp,
-        # The config's model.recompute (full: the estimate models Megatron's uniform method
-        # with one layer per checkpoint, the trainer's default).
+        # The config's model.recompute (full: Megatron's uniform method, one layer per checkpoint,
+        # unless --as-built reads model.recompute_num_layers too).
         "recompute": cfg.model.recompute,
+        "attention": cfg.model.attention if args.as_built else None,
+        "recompute_num_layers": (cfg.model.full_recompute[1]
+                                 if args.as_built and cfg.model.full_recompute else 1),
         "global_batch_size": cfg.train.global_batch_size,
     }
     settings = MethodSettings(
@@ -145,6 +153,8 @@ def _config_defaults(args: argparse.Namespace) -> tuple[ModelShape, dict[str, An
         # Paper mode freezes everything but the targets.
         logra_non_targets="frozen" if cfg.logra.mode == "paper" else "adam",
         targets=tuple(cfg.logra.targets),
+        logra_paper_mode=args.as_built and cfg.logra.mode == "paper",
+        kl_probe=kl_probe_of(cfg) if args.as_built else None,
     )
     return shape, layout, settings
 
@@ -164,7 +174,8 @@ def resolve(args: argparse.Namespace) -> Request:
         shape = preset(args.preset)
         base = {"tp": 1, "pp": 1, "vpp": None, "dp": None, "micro_batch_size": 1,
                 "seq_length": DEFAULT_SEQ_LENGTH, "sequence_parallel": None,
-                "recompute": "selective", "global_batch_size": None}
+                "recompute": "selective", "attention": None, "recompute_num_layers": 1,
+                "global_batch_size": None}
         settings = MethodSettings()
     else:
         raise ValueError("give --preset NAME or --config PATH (or --compare-seeds)")
@@ -196,6 +207,7 @@ def resolve(args: argparse.Namespace) -> Request:
         tp=tp, pp=pp, vpp=pick(args.vpp, base["vpp"]), dp=dp, micro_batch_size=mbs,
         seq_length=pick(args.seq_length, base["seq_length"]), sequence_parallel=sp,
         recompute=pick(args.recompute, base["recompute"]), num_microbatches=num_microbatches,
+        attention=base["attention"], recompute_num_layers=base["recompute_num_layers"],
     )
     updates = {
         "distributed_optimizer": args.distributed_optimizer, "precision": args.precision,
@@ -255,6 +267,7 @@ def _describe(shape: ModelShape, layout: Layout, st: MethodSettings) -> list[str
         f"layout: tp={layout.tp} pp={layout.pp} vpp={vpp} dp={layout.dp} = {layout.gpus} GPUs | "
         f"micro-batch {layout.micro_batch_size} x {layout.seq_length} tokens | sequence parallel "
         f"{'on' if layout.sequence_parallel else 'off'} | recompute {layout.recompute} | "
+        f"attention {layout.attention or 'as Korthikanti et al.'} | "
         f"microbatches in flight {layout.in_flight_microbatches():g}",
         f"methods: dense Adam ({st.precision}, distributed optimizer "
         f"{'on' if st.distributed_optimizer else 'off'}) | LoRA rank {st.lora_rank} "

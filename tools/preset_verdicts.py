@@ -75,7 +75,7 @@ def _gpus(name: str) -> int:
 
 
 def _command(name: str) -> list[str]:
-    return ["--config", _config_path(name), "--gpus", str(_gpus(name))]
+    return ["--config", _config_path(name), "--gpus", str(_gpus(name)), "--as-built"]
 
 
 def _estimate(estimator: Any, name: str, overrides: list[str]) -> Estimate:

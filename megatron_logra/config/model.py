@@ -173,9 +173,15 @@ class ParallelConfig:
     device: str = "auto"
     """``cpu`` runs over gloo with the CPU compatibility layer; ``cuda`` over NCCL; ``auto`` picks
     cuda when a GPU is visible."""
+    collective_timeout_s: float = 600.0
+    """How long a rank waits in one collective (and at start-up, for the others to join) before
+    it fails with an error instead of hanging: when another rank died (killed, out of memory, a
+    lost node), the survivors stop within about this time. It must exceed the longest legitimate
+    wait, e.g. rank 0 writing a checkpoint or grading rewards while the others wait for it."""
 
     def validate(self, path: str = "parallel") -> None:
         check_positive(f"{path}.tp", self.tp)
+        check_positive(f"{path}.collective_timeout_s", self.collective_timeout_s)
         check_positive(f"{path}.pp", self.pp)
         check_positive(f"{path}.ep", self.ep)
         check_choice(f"{path}.device", self.device, DEVICES)

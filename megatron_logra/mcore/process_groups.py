@@ -110,6 +110,7 @@ def init_parallel(cfg: Config) -> ParallelGroups:
         device = torch.device("cuda", local_rank)
         backend = "nccl"
 
+    collective_timeout = timedelta(seconds=cfg.parallel.collective_timeout_s)
     if not dist.is_initialized():
         if "RANK" not in os.environ:
             # A plain `python -m megatron_logra ...`: a world of one process.
@@ -117,7 +118,7 @@ def init_parallel(cfg: Config) -> ParallelGroups:
                 {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
             )
-        dist.init_process_group(backend=backend, timeout=timedelta(minutes=10))
+        dist.init_process_group(backend=backend, timeout=collective_timeout)
 
     world_size = dist.get_world_size()
     p = cfg.parallel
@@ -130,6 +131,8 @@ def init_parallel(cfg: Config) -> ParallelGroups:
         pipeline_model_parallel_size=p.pp,
         virtual_pipeline_model_parallel_size=p.vpp,
         expert_model_parallel_size=p.ep,
+        # Megatron gives its subgroups their own timeout (30 min by default): the same one.
+        distributed_timeout_minutes=cfg.parallel.collective_timeout_s / 60,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.train.seed)
     groups = ParallelGroups(

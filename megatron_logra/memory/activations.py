@@ -9,9 +9,11 @@ theoretical-memory formula does; each target linear saves what its training meth
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from megatron_logra.memory import built_layer
 from megatron_logra.memory.shapes import (
     BF16_BYTES,
     DROPOUT_MASK_BYTES,
@@ -58,8 +60,12 @@ def layer_activation_terms(
     linear_modes: Mapping[str, str],
     rank: int = 0,
     recompute: str | None = None,
+    norms_trained: bool = True,
 ) -> dict[str, float]:
     """Bytes one transformer layer saves for backward for one microbatch, term by term.
+
+    With ``layout.attention`` set, the terms of the layer our trainer builds
+    (:func:`built_layer_terms`); otherwise Korthikanti et al.'s, as follows.
 
     Which terms a method changes: only the four ``<linear>_input`` terms, each saved *solely* for
     that linear's weight gradient (the norm outputs feeding qkv and fc1, the attention context
@@ -74,6 +80,10 @@ def layer_activation_terms(
     recompute = recompute or layout.recompute
     if recompute == "full":
         recompute = "none"
+    if layout.attention is not None:
+        return built_layer_terms(shape, layout, element_bytes=element_bytes,
+                                 linear_modes=linear_modes, rank=rank, recompute=recompute,
+                                 norms_trained=norms_trained)
     e = element_bytes
     t = layout.tp
     T, T_s = float(layout.tokens), layout.sharded_tokens
@@ -119,6 +129,56 @@ def layer_activation_terms(
     return {name: value for name, value in terms.items() if value}
 
 
+def built_layer_terms(
+    shape: ModelShape,
+    layout: Layout,
+    *,
+    element_bytes: int,
+    linear_modes: Mapping[str, str],
+    rank: int,
+    recompute: str,
+    norms_trained: bool,
+) -> dict[str, float]:
+    """The layer ``mcore/models/gpt.py`` builds (``layout.attention``), term by term; each term
+    is a function of :mod:`.built_layer`. ``norms_trained``: the norm weights get gradients
+    (every layer's input wants one: a frozen embedding's output is made to, see
+    ``mcore/models/grad_anchor.py``). ``recompute`` is ``none`` or ``selective`` (core attention rebuilt in
+    backward from its kept inputs: its own saved tensors go, its output stays if
+    ``linear_proj`` keeps it)."""
+    e = element_bytes
+    t = layout.tp
+    T, T_s = float(layout.tokens), layout.sharded_tokens
+    widths = {target.name: target.local_cols(t) for target in shape.targets()}
+    tokens = {"linear_qkv": T_s, "linear_proj": T, "linear_fc1": T_s, "linear_fc2": T}
+    modes = {name: linear_modes.get(name, "dense") for name in tokens}
+
+    def linear(name: str) -> tuple[float, float]:
+        return _linear_saved(modes[name], tokens=tokens[name], width=widths[name],
+                             adapter_tokens=T_s, rank=rank, e=e)
+
+    proj_keeps_input = modes["linear_proj"] in ("dense", "lora")
+    terms: dict[str, float] = {}
+    terms["input_norm"] = built_layer.norm_saved_bytes(
+        shape, T_s, weight_trained=norms_trained)
+    terms["linear_qkv_input"], terms["linear_qkv_lowrank"] = linear("linear_qkv")
+    terms["qkv_output"] = built_layer.qkv_output_bytes(shape, layout, e)
+    terms["rotary"] = built_layer.rotary_bytes(shape, layout, e)
+    if recompute == "none":
+        terms["core_attention"] = built_layer.core_attention_bytes(
+            shape, layout, e, proj_keeps_input=proj_keeps_input)
+    elif proj_keeps_input:
+        terms["core_attention_output"] = e * T * shape.query_width / t
+    # linear_proj's input is core attention's output (sdpa) or its contiguous copy (local),
+    # both counted above: only the adapter's or the sketch's low-rank activation is added.
+    terms["linear_proj_lowrank"] = linear("linear_proj")[1]
+    terms["pre_mlp_norm"] = built_layer.norm_saved_bytes(
+        shape, T_s, weight_trained=norms_trained)
+    terms["linear_fc1_input"], terms["linear_fc1_lowrank"] = linear("linear_fc1")
+    terms["gated_mlp"] = built_layer.gated_mlp_bytes(shape, layout, e)
+    terms["linear_fc2_input"], terms["linear_fc2_lowrank"] = linear("linear_fc2")
+    return {name: value for name, value in terms.items() if value}
+
+
 @dataclass(frozen=True)
 class ActivationBreakdown:
     """Activation bytes of the first stage at its peak, split the way Megatron's formula adds."""
@@ -133,6 +193,16 @@ class ActivationBreakdown:
     """Full recompute only: one layer's complete forward, rebuilt during its backward."""
     output: float
     """pp = 1 only: final norm input, output-layer input and the fp32 cross-entropy softmax."""
+    temporaries: float = 0.0
+    """The model our trainer builds: gradients alive beside the saved activations at the
+    backward's peak (not in ``total``, which counts what is saved)."""
+    freed_before_peak: float = 0.0
+    """The model our trainer builds: saved bytes the backward has already freed when it peaks."""
+
+    @property
+    def at_peak(self) -> float:
+        """Saved activations still alive at the backward's peak."""
+        return self.total - self.freed_before_peak
 
     @property
     def total(self) -> float:
@@ -148,21 +218,33 @@ def stage_activation_bytes(
     rank: int = 0,
     embedding_trained: bool = True,
     output_layer_trained: bool = True,
+    norms_trained: bool | None = None,
 ) -> ActivationBreakdown:
-    """Saved activations of the first pipeline stage at its peak (Megatron's accounting)."""
+    """Saved activations of the first pipeline stage at its peak (Megatron's accounting, or
+    with ``layout.attention`` set the model our trainer builds). ``norms_trained`` defaults to
+    ``embedding_trained`` (our methods train both or neither)."""
     layout.check_fits(shape)
+    if norms_trained is None:
+        norms_trained = embedding_trained
     e = element_bytes
     T, T_s = float(layout.tokens), layout.sharded_tokens
     h = shape.hidden_size
     in_flight = layout.in_flight_microbatches()
     layers = shape.num_layers // layout.pp
-    kwargs = {"element_bytes": e, "linear_modes": linear_modes, "rank": rank}
+    built = layout.attention is not None
+    kwargs = {"element_bytes": e, "linear_modes": linear_modes, "rank": rank,
+              "norms_trained": norms_trained}
     if layout.recompute == "full":
-        per_layer = e * T_s * h  # the checkpointed layer input
-        recomputed = sum(layer_activation_terms(shape, layout, **kwargs).values())
+        # One input kept per checkpointed group; one group rebuilt at a time in backward.
+        group = min(layout.recompute_num_layers, layers) if built else 1
+        groups = -(-layers // group)
+        per_layer = e * T_s * h  # the checkpointed input
+        recomputed = group * sum(layer_activation_terms(shape, layout, **kwargs).values())
+        stage_layers = per_layer * groups * in_flight
     else:
         per_layer = sum(layer_activation_terms(shape, layout, **kwargs).values())
         recomputed = 0.0
+        stage_layers = per_layer * layers * in_flight
     # Token ids are replicated on every TP rank; a frozen embedding keeps no ids for backward.
     embedding = (TOKEN_ID_BYTES * T if embedding_trained else 0.0)
     embedding += DROPOUT_MASK_BYTES * T_s * h if shape.dropout else 0.0
@@ -173,14 +255,50 @@ def stage_activation_bytes(
                                         tokens=T_s, width=h, adapter_tokens=T_s, rank=0, e=e)
         # Final norm input; output-layer input; Megatron's vocab-parallel cross entropy keeps
         # the fp32 softmax of its [T, V/tp] logits.
-        output = e * T_s * h + output_input + FP32_BYTES * T * vocab / layout.tp
-    return ActivationBreakdown(
+        final_norm = e * T_s * h
+        if built:
+            final_norm = built_layer.norm_saved_bytes(shape, T_s,
+                                                      weight_trained=norms_trained)
+            final_norm += built_layer.cross_entropy_target_bytes(layout)
+        output = final_norm + output_input + FP32_BYTES * T * vocab / layout.tp
+    breakdown = ActivationBreakdown(
         per_layer=per_layer,
-        layers=per_layer * layers * in_flight,
+        layers=stage_layers,
         embedding=embedding * in_flight,
         recomputed_layer=recomputed,
         output=output,
     )
+    if not built:
+        return breakdown
+    return _at_backward_peak(shape, layout, breakdown, e, linear_modes, rank,
+                             output_layer_trained=output_layer_trained)
+
+
+def _at_backward_peak(shape: ModelShape, layout: Layout, saved: ActivationBreakdown, e: int,
+                      linear_modes: Mapping[str, str], rank: int, *,
+                      output_layer_trained: bool) -> ActivationBreakdown:
+    """The model our trainer builds peaks at one of two moments of its backward: in the
+    output layer (everything saved but the cross entropy's softmax, which its gradient
+    replaces, is alive beside the logits' gradients) or in the last
+    layer's MLP (the output stage and the last fc2 are freed, beside the MLP's gradients)."""
+    T, T_s = float(layout.tokens), layout.sharded_tokens
+    last_fc2 = sum(_linear_saved(linear_modes.get("linear_fc2", "dense"), tokens=T,
+                                 width=shape.ffn_hidden_size / layout.tp, adapter_tokens=T_s,
+                                 rank=rank, e=e))
+    freed = built_layer.freed_before_backward_peak(shape, layout, e, output_bytes=saved.output,
+                                                   last_fc2_bytes=last_fc2)
+    mlp = (freed, built_layer.backward_temporaries(shape, layout, e))
+    softmax = FP32_BYTES * T * shape.padded_vocab_size(layout.tp) / layout.tp
+    output_temporaries = built_layer.output_backward_temporaries(
+        shape, layout, e, output_layer_trained=output_layer_trained)
+    # The output layer's backward runs before any layer is rebuilt under full recompute.
+    rebuilt = saved.recomputed_layer if layout.recompute == "full" else 0.0
+    output = (softmax + rebuilt, output_temporaries)
+    moments = [mlp, output]
+    if layout.attention == "local":
+        moments.append(built_layer.local_recompute_moment(shape, layout, e, freed_mlp=freed))
+    moment = max(moments, key=lambda m: saved.total - m[0] + m[1])
+    return dataclasses.replace(saved, freed_before_peak=moment[0], temporaries=moment[1])
 
 
 def element_bytes(precision: str) -> int:

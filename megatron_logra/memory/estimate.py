@@ -20,11 +20,20 @@ the saved activations of one step:
   attention, separate head width, gated MLPs and dropout-free models, and multiplied by the
   microbatches in flight exactly as Megatron-LM's theoretical-memory formula does.
 
+With ``Layout.attention`` set (``sdpa``, ``local``, ``te``: what ``model.attention`` builds), the
+activations are those of the layer our trainer builds (:mod:`.built_layer`: torch norms, the
+unfused gated MLP, the attention kernel's own tensors, recompute per mode) at the backward's
+peak, beside the gradients alive then (``temporaries``) and a persistent work buffer
+(``buffers``); LoGRA's paper-mode weight norms and KL probe run after backward
+(:mod:`.step_phases`, ``after_backward``), and the step's peak is the larger of the two. Checked
+against the live-tensor tracker on the model the product builds (tools/estimate_vs_measured.py).
+:func:`megatron_logra.memory.from_config.estimate_for_config` maps a run's config to all this.
+
 Not modelled (each is small or transient): torch Adam's 4-byte step counter per parameter
 tensor, DDP grad-buffer alignment padding, communication buffers, allocator fragmentation, the
-CUDA context, and temporaries of the optimizer step (e.g. LoGRA's ``D A`` product per target, the
-fp32 cast of one projection during the merge, paper mode's float64 weight norm of one
-``NORM_BLOCK_ELEMENTS`` block at a time).
+CUDA context, and temporaries of the optimizer step other than those above (e.g. LoGRA's
+``D A`` product per target, the fp32 cast of one projection during the merge, torch Adam's
+per-tensor temporaries).
 
 Bytes per parameter, by method and precision (``dp`` = data-parallel size; ``/dp`` only with
 Megatron's distributed optimizer, or for LoGRA's sharded masters):
@@ -68,6 +77,7 @@ from megatron_logra.memory.activations import (
     layer_activation_terms,
     stage_activation_bytes,
 )
+from megatron_logra.memory.built_layer import local_attention_buffer_bytes
 from megatron_logra.memory.shapes import (
     BF16_BYTES,
     FP32_BYTES,
@@ -89,9 +99,10 @@ from megatron_logra.memory.shapes import (
     preset,
     shape_from_model_config,
 )
+from megatron_logra.memory.step_phases import KLProbe, kl_probe_bytes, paper_weight_norm_bytes
 
 __all__ = [
-    "GIB", "LINEAR_MODES", "LOGRA_PRECISION_OF_MASTER_WEIGHTS", "LOGRA_PRECISIONS", "NON_TARGET_TRAINING", "PRECISIONS", "PRESETS",
+    "GIB", "KLProbe", "LINEAR_MODES", "LOGRA_PRECISION_OF_MASTER_WEIGHTS", "LOGRA_PRECISIONS", "NON_TARGET_TRAINING", "PRECISIONS", "PRESETS",
     "RECOMPUTE_MODES", "TARGET_LINEARS", "ActivationBreakdown", "Layout", "MegatronFormula",
     "MemoryBreakdown", "MethodSettings", "ModelShape", "StageParameters", "TargetLinear",
     "dense_adam_memory", "estimate_all", "fits", "layer_activation_terms", "logra_memory",
@@ -117,19 +128,32 @@ class MemoryBreakdown:
     activations: float
     host_optimizer_state: float = 0.0
     """Beside the GPU, in host memory (LoGRA's host masters): not in any GPU total."""
+    buffers: float = 0.0
+    """Work buffers the model keeps between steps (``local`` attention's ``baddbmm`` input)."""
+    temporaries: float = 0.0
+    """Gradients alive beside the saved activations at the backward's peak."""
+    after_backward: float = 0.0
+    """The largest transient of the step after backward, when no activation is alive (paper
+    mode's weight norms, the KL probe's proposal, logits, tangents and float64 chunks)."""
 
     CATEGORIES = ("weights", "gradients", "optimizer_state", "sketches", "projections",
-                  "activations")
+                  "buffers", "activations", "temporaries", "after_backward")
 
     @property
     def persistent(self) -> float:
-        """State that lives between steps (everything but activations)."""
-        return self.total - self.activations
+        """State that lives between steps."""
+        return (self.weights + self.gradients + self.optimizer_state + self.sketches
+                + self.projections + self.buffers)
+
+    @property
+    def step_peak(self) -> float:
+        """The step's peak above the persistent state: backward's (saved activations and the
+        gradients beside them) or a later phase's, whichever is larger."""
+        return max(self.activations + self.temporaries, self.after_backward)
 
     @property
     def total(self) -> float:
-        return (self.weights + self.gradients + self.optimizer_state + self.sketches
-                + self.projections + self.activations)
+        return self.persistent + self.step_peak
 
     def as_dict(self) -> dict[str, float | str]:
         out: dict[str, float | str] = {"method": self.method, "precision": self.precision,
@@ -137,7 +161,7 @@ class MemoryBreakdown:
                                        "persistent_gib": self.persistent / GIB}
         for name in self.CATEGORIES:
             out[f"{name}_gib"] = getattr(self, name) / GIB
-        for name in (*self.CATEGORIES, "persistent", "total"):
+        for name in (*self.CATEGORIES, "persistent", "step_peak", "total"):
             out[f"{name}_bytes"] = round(getattr(self, name))
         out["host_optimizer_state_bytes"] = round(self.host_optimizer_state)
         return out
@@ -228,6 +252,14 @@ def _adam_bytes(params: float, precision: str, distributed_optimizer: bool,
     return FP32_BYTES * params, FP32_BYTES * params, 2 * FP32_BYTES * params / shard
 
 
+def _model_extras(shape: ModelShape, layout: Layout, activations: ActivationBreakdown,
+                  e: int) -> dict[str, float]:
+    """The model's persistent work buffers and the backward's temporaries (both 0 under
+    Korthikanti's accounting, ``layout.attention`` None)."""
+    return {"buffers": local_attention_buffer_bytes(shape, layout, e),
+            "temporaries": activations.temporaries}
+
+
 def _check_targets(targets: tuple[str, ...]) -> None:
     if not targets:
         raise ValueError(f"targets is empty; choose from {list(TARGET_LINEARS)}")
@@ -250,7 +282,8 @@ def dense_adam_memory(
         linear_modes=dict.fromkeys(TARGET_LINEARS, "dense"),
     )
     return MemoryBreakdown("dense_adam", precision, weights, grads, state, 0.0, 0.0,
-                           activations.total)
+                           activations.at_peak, **_model_extras(shape, layout, activations,
+                                                              element_bytes(precision)))
 
 
 def lora_memory(
@@ -276,13 +309,15 @@ def lora_memory(
         rank=lora_rank, embedding_trained=False, output_layer_trained=False,
     )
     return MemoryBreakdown("lora", precision, base + a_weights, a_grads, a_state, 0.0, 0.0,
-                           activations.total)
+                           activations.at_peak, **_model_extras(shape, layout, activations,
+                                                              element_bytes(precision)))
 
 
 def logra_memory(
     shape: ModelShape, layout: Layout, *, sketch_rank: int = 256,
     precision: str = "bf16_sharded_master", distributed_optimizer: bool = True,
     non_targets: str = "adam", targets: tuple[str, ...] = TARGET_LINEARS,
+    paper_mode: bool = False, kl_probe: KLProbe | None = None,
 ) -> MemoryBreakdown:
     """Sketched ``targets``; the rest trained by Megatron's Adam (library mode) or frozen.
 
@@ -321,8 +356,17 @@ def logra_memory(
         shape, layout, element_bytes=e, linear_modes=modes, rank=sketch_rank,
         embedding_trained=non_targets == "adam", output_layer_trained=non_targets == "adam",
     )
+    after_backward = 0.0
+    if paper_mode:
+        after_backward = paper_weight_norm_bytes(shape, layout, targets)
+    if kl_probe is not None:
+        # The proposal holds -lr D of every target, fp32, gathered over DP: sketch-sized.
+        after_backward = max(after_backward, kl_probe_bytes(
+            shape, layout, kl_probe, e, direction_bytes=sketches))
     return MemoryBreakdown("logra", precision, weights, grads, state, sketches, projections,
-                           activations.total, host_optimizer_state=host)
+                           activations.at_peak, host_optimizer_state=host,
+                           **_model_extras(shape, layout, activations, e),
+                           after_backward=after_backward)
 
 
 # ----------------------------------------------------------------------------- Megatron's formula
@@ -423,6 +467,10 @@ class MethodSettings:
     logra_precision: str = "bf16_sharded_master"
     logra_non_targets: str = "adam"
     targets: tuple[str, ...] = TARGET_LINEARS
+    logra_paper_mode: bool = False
+    """LoGRA's paper mode: its update ratio computes the target weights' norm after backward."""
+    kl_probe: KLProbe | None = None
+    """LoGRA's predicted-KL step control and its probe on one DP rank (None: off)."""
 
 
 def estimate_all(
@@ -438,7 +486,8 @@ def estimate_all(
         "logra": logra_memory(shape, layout, sketch_rank=st.sketch_rank,
                               precision=st.logra_precision,
                               distributed_optimizer=st.distributed_optimizer,
-                              non_targets=st.logra_non_targets, targets=st.targets),
+                              non_targets=st.logra_non_targets, targets=st.targets,
+                              paper_mode=st.logra_paper_mode, kl_probe=st.kl_probe),
     }
 
 

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from megatron_logra.config import NORMALIZATIONS, TARGET_NAMES
+from megatron_logra.config import ATTENTIONS, NORMALIZATIONS, TARGET_NAMES
 
 if TYPE_CHECKING:  # only for the annotation
     from megatron_logra.config import ModelConfig
@@ -287,6 +287,14 @@ class Layout:
     num_microbatches: int | None = None
     """Microbatches per step and pipeline; None means "at least pp" (no discount), as Megatron's
     formula does when it is not given the number."""
+    attention: str | None = None
+    """The model our trainer builds (``model.attention``: ``sdpa``, ``local`` or ``te``), whose
+    layers keep what :mod:`.activations` counts for that implementation (unfused SwiGLU gate,
+    the trainable norms' inputs, the attention kernel's own saved tensors); None: Korthikanti et
+    al.'s accounting of a fused Megatron-LM layer (what Megatron's formula assumes)."""
+    recompute_num_layers: int = 1
+    """``recompute=full``: layers per checkpointed group (``model.recompute_num_layers``, uniform
+    method): one input is kept per group and a whole group is rebuilt at a time."""
 
     def __post_init__(self) -> None:
         fixes = {"tp": "use 1 for no tensor parallelism", "pp": "use 1 for no pipeline",
@@ -295,6 +303,10 @@ class Layout:
         for argument, fix in fixes.items():
             check_positive_int(f"Layout.{argument}", getattr(self, argument), fix)
         check_choice("Layout.recompute", self.recompute, RECOMPUTE_MODES)
+        if self.attention is not None:
+            check_choice("Layout.attention", self.attention, ATTENTIONS)
+        check_positive_int("Layout.recompute_num_layers", self.recompute_num_layers,
+                           "use 1 to checkpoint every layer")
         if self.vpp is not None:
             check_positive_int("Layout.vpp", self.vpp, "use None for the non-interleaved schedule")
             if self.pp < 2:

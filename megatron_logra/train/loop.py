@@ -10,7 +10,8 @@ the same for every command:
    persistent state bytes after the first step (optimizer state is allocated lazily), the job's
    end-of-step additions (RL's held-out evaluations);
 5. checkpoints every ``checkpoint.interval`` steps, at the end, on SIGTERM (agreed on by every
-   rank) and when ``train.exit_interval`` ends the invocation early;
+   rank; each rank then records the save for the launch script, see preemption.py) and when
+   ``train.exit_interval`` ends the invocation early;
 6. at the end: state_bytes.json, the model-only checkpoint (run.save_model), the full weights
    (run.save_full_weights) and the plots.
 
@@ -45,7 +46,7 @@ from megatron_logra.mcore import (
 from megatron_logra.train.metric_sinks import metric_sinks
 from megatron_logra.train.metrics import MetricsLog
 from megatron_logra.train.plots import plot_metrics
-from megatron_logra.train.preemption import PreemptionFlag
+from megatron_logra.train.preemption import PreemptionFlag, record_preempted_save
 from megatron_logra.train.run_files import (
     FULL_WEIGHTS_FILE,
     METRICS_FILE,
@@ -96,11 +97,14 @@ def run(cfg: Config, build_job: Callable[[Config, ParallelGroups], Job]) -> dict
     try:
         job = build_job(cfg, groups)
         try:
-            return _run(cfg, groups, job)
+            record, preempted_save = _run(cfg, groups, job)
         finally:
             job.close()
     finally:
         destroy_parallel()
+    if preempted_save is not None:
+        record_preempted_save(preempted_save)
+    return record
 
 
 def _resume(cfg: Config, job: Job, groups: ParallelGroups) -> int:
@@ -119,7 +123,9 @@ def _resume(cfg: Config, job: Job, groups: ParallelGroups) -> int:
     return int(common["step"])
 
 
-def _run(cfg: Config, groups: ParallelGroups, job: Job) -> dict[str, Any]:
+def _run(cfg: Config, groups: ParallelGroups, job: Job) -> tuple[dict[str, Any], int | None]:
+    """The steps; returns the last record and, when SIGTERM stopped the run after a
+    checkpoint, the step that checkpoint holds."""
     is_rank0 = groups.world_rank == 0
     run_dir = Path(cfg.run.dir)
     # Before anything is saved: a killed save of an earlier run may have left staging
@@ -137,33 +143,61 @@ def _run(cfg: Config, groups: ParallelGroups, job: Job) -> dict[str, Any]:
     )
     record: dict[str, Any] = {}
     state_bytes: list[dict[str, int]] | None = None
+    preempted_save: int | None = None
     ckpt = cfg.checkpoint
     with log, PreemptionFlag() as preemption:
         for initial in job.initial_records(start_step):
             if is_rank0:
                 log.log(initial)
-        for step in range(start_step, cfg.train.steps):
-            record = job.step(step)
-            if state_bytes is None:
-                # After the first step: Adam allocates its moments lazily.
-                state_bytes = gather_state_bytes(job.setup, groups)
-                record.update(state_bytes_totals(state_bytes))
-            completed = step + 1
-            record.update(job.after_step(completed))
-            if is_rank0:
-                log.log(record)
-            preempted = preemption.agreed(groups.device)
-            exiting = cfg.train.exit_interval and completed - start_step >= cfg.train.exit_interval
-            due = ckpt.interval and completed % ckpt.interval == 0
-            if ckpt.dir and (due or preempted or exiting or completed == cfg.train.steps):
-                save_checkpoint(ckpt.dir, step=completed, setup=job.setup, cfg=cfg,
-                                groups=groups, extra_common=job.checkpoint_state())
-            if preempted or exiting:
-                logger.warning("stopping after step %d (%s)", completed,
-                               "SIGTERM" if preempted else "train.exit_interval")
-                break
+        step = start_step
+        try:
+            for step in range(start_step, cfg.train.steps):
+                record = job.step(step)
+                if state_bytes is None:
+                    # After the first step: Adam allocates its moments lazily.
+                    state_bytes = gather_state_bytes(job.setup, groups)
+                    record.update(state_bytes_totals(state_bytes))
+                completed = step + 1
+                record.update(job.after_step(completed))
+                if is_rank0:
+                    log.log(record)
+                preempted = preemption.agreed(groups.device)
+                exiting = (cfg.train.exit_interval
+                           and completed - start_step >= cfg.train.exit_interval)
+                due = ckpt.interval and completed % ckpt.interval == 0
+                if ckpt.dir and (due or preempted or exiting or completed == cfg.train.steps):
+                    save_checkpoint(ckpt.dir, step=completed, setup=job.setup, cfg=cfg,
+                                    groups=groups, extra_common=job.checkpoint_state())
+                if preempted and ckpt.dir:
+                    preempted_save = completed
+                if preempted or exiting:
+                    logger.warning("stopping after step %d (%s)", completed,
+                                   "SIGTERM" if preempted else "train.exit_interval")
+                    break
+        except Exception as error:
+            _explain_failure(error, cfg, groups, step + 1)
+            raise
     _finish(cfg, groups, job, state_bytes)
-    return record
+    return record, preempted_save
+
+
+def _explain_failure(error: Exception, cfg: Config, groups: ParallelGroups, step: int) -> None:
+    """Say, on the rank that fails, which step failed, what a collective timeout means and what
+    a resume would start from (a note on the exception, so its type and exit code stay)."""
+    lines = [f"rank {groups.world_rank} of {groups.world_size} failed during step {step}"]
+    if groups.world_size > 1:
+        # A dead rank is seen by the others only as a collective that never completes.
+        lines.append(
+            f"if another rank died, the surviving ranks stop within "
+            f"parallel.collective_timeout_s={cfg.parallel.collective_timeout_s:g} s of its death "
+            "(a gloo or NCCL timeout or a closed connection above is how that shows)")
+    if cfg.checkpoint.dir:
+        newest = latest_checkpoint(cfg.checkpoint.dir)
+        lines.append(f"newest complete checkpoint: {newest or 'none'}; rerun with "
+                     "checkpoint.resume=true to continue from it")
+    note = "; ".join(lines)
+    error.add_note(note)
+    logger.error("%s: %s: %s", note, type(error).__name__, str(error).splitlines()[0] if str(error) else "")
 
 
 def _finish(

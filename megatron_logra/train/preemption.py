@@ -8,13 +8,31 @@ that all ranks stop after the same step, write one checkpoint together and exit 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import types
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
+
+RECORD_DIR_ENV = "MEGATRON_LOGRA_PREEMPTION_RECORD_DIR"
+"""Set by the launch scripts (launch/launch_args.sh): the directory where each worker records
+that it saved a checkpoint after SIGTERM and stopped cleanly. torchrun exits 1 whenever it was
+signalled, whatever its workers did; these records are how the script knows they all saved."""
+
+
+def record_preempted_save(step: int) -> None:
+    """Record (when a launch script asked for it) that this rank checkpointed step ``step``
+    after SIGTERM and is about to exit cleanly. Call it last, after the process groups are
+    down."""
+    directory = os.environ.get(RECORD_DIR_ENV)
+    if not directory:
+        return
+    rank = os.environ.get("RANK", "0")
+    (Path(directory) / f"rank-{rank}.saved").write_text(f"{step}\n")
 
 
 class PreemptionFlag:

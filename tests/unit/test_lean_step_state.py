@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from megatron_logra.mcore.tensor_parallel.sketched_linear import LayerSketch
+from megatron_logra.norm_blocks import NORM_BLOCK_ELEMENTS, norm_block_rows
 from megatron_logra.projection import generate_projection, projection_key
-from megatron_logra.row_adam_paper import NORM_BLOCK_ELEMENTS, blockwise_sq_norm, norm_block_rows
+from megatron_logra.row_adam_paper import blockwise_sq_norm
 from megatron_logra.sketch_buffer import FlatSketchBuffer, SketchSlot
 
 KEY = projection_key(7, 3, "decoder.layers.1.mlp.linear_fc2")

@@ -517,3 +517,48 @@ def test_cli_compare_seeds_labels_estimates_and_reported_figures():
     assert dense_row["reported"] == "31.8"
     assert _close(dense_row["estimate_gib"],
                   dense_adam_memory(preset("qwen2.5-7b"), layout).total / GIB)
+
+
+# ----------------------------------------------------------------------------- the built model
+
+
+def test_cli_as_built_is_the_estimate_of_the_run_the_config_describes():
+    """``--as-built`` on a paper-mode KL-controlled config: the CLI's LoGRA total is
+    ``estimate_for_config`` of the same config (attention, recompute, norms, probe)."""
+    from megatron_logra.memory.from_config import estimate_for_config
+
+    overrides = ["parallel.tp=1", "optimizer.name=logra", "logra.mode=paper",
+                 "logra.kl_control.enabled=true", "model.recompute=full"]
+    out = json.loads(_cli("--config", "configs/demo_cpu.yaml", "--vocab-size", "91",
+                          *(f"--override={o}" for o in overrides), "--as-built",
+                          "--json").stdout)
+    cfg = load_config(REPO / "configs" / "demo_cpu.yaml", overrides).resolved(1)
+    want = estimate_for_config(cfg, vocab_size=91)
+    assert want.after_backward > 0  # the KL probe and the paper's norms are counted
+    assert out["methods"]["logra"]["total_bytes"] == round(want.total)
+
+
+def test_sdpa_keeps_activations_linear_in_sequence_length_and_local_quadratic():
+    shape = shape_from_model_config(load_config(None, []).model, vocab_size=128)
+    per_token = {}
+    for attention in ("sdpa", "local"):
+        saved = [stage_activation_bytes(
+            shape, Layout(seq_length=s, recompute="none", attention=attention),
+            element_bytes=4, linear_modes={}).total / s for s in (1024, 2048)]
+        per_token[attention] = saved[1] / saved[0]
+    assert per_token["sdpa"] == pytest.approx(1.0)
+    assert per_token["local"] > 1.5  # the s x s probabilities per token double with s
+
+
+def test_paper_mode_weight_norms_hold_one_float64_block_of_the_largest_target():
+    from megatron_logra.memory.step_phases import paper_weight_norm_bytes
+    from megatron_logra.norm_blocks import norm_block_rows
+
+    shape = preset("qwen2.5-1.5b")
+    # The largest target, fc1 (17,920 x 1,536), is summed in blocks of 2,730 rows.
+    block = norm_block_rows(shape.hidden_size) * shape.hidden_size
+    assert paper_weight_norm_bytes(shape, Layout(), TARGET_NAMES) == 8 * block
+    # A TP=8 shard of fc1 (2,240 rows) is smaller than one block: all of it at once.
+    assert paper_weight_norm_bytes(shape, Layout(tp=8), TARGET_NAMES) == 8 * (
+        shape.fc1_width // 8 * shape.hidden_size)
+

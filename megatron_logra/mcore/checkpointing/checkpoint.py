@@ -41,6 +41,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_logra import checkpoint_files
 from megatron_logra.atomic_write import fsync_directory, write_atomically
@@ -264,38 +265,65 @@ def _save_atomically(
     if groups.world_rank == 0:
         staging.mkdir(parents=True, exist_ok=False)
     dist.barrier()
-    dist_checkpointing.save(state, str(staging))
-    dist.barrier()
-    if groups.world_rank == 0 and kill_hook_step is not None and \
-            os.environ.get(KILL_DURING_SAVE_ENV) == str(kill_hook_step):
-        logger.error("test hook %s: killing rank 0 mid-save", KILL_DURING_SAVE_ENV)
-        os.kill(os.getpid(), signal.SIGKILL)
-    names = _files(staging)
-    # Each file fsynced by the rank that hashes it: its bytes are on disk before the manifest.
-    hashes = _hash_shared(staging, names, groups, purpose="save", sync=True)
-    if groups.world_rank == 0:
-        fsync_directories(staging)
-        manifest = {
-            "format_version": FORMAT_VERSION,
-            **header,
-            "layout": _layout(groups),
-            "files": {n: {"size": (staging / n).stat().st_size, "sha256": hashes[n]}
-                      for n in names},
-        }
-        write_atomically(staging / MANIFEST, json.dumps(manifest, indent=1))
-        if final.exists():
-            # Re-saving (e.g. a step after a resume): retire the old copy only now that the new
-            # one is complete.
-            retired = root / staging_name(name, uuid.uuid4().hex[:8], retired=True)
-            os.replace(final, retired)
-            os.replace(staging, final)
+    try:
+        dist_checkpointing.save(state, str(staging))
+        dist.barrier()
+        if groups.world_rank == 0 and kill_hook_step is not None and \
+                os.environ.get(KILL_DURING_SAVE_ENV) == str(kill_hook_step):
+            logger.error("test hook %s: killing rank 0 mid-save", KILL_DURING_SAVE_ENV)
+            os.kill(os.getpid(), signal.SIGKILL)
+        names = _files(staging)
+        # Each file fsynced by the rank that hashes it: its bytes are on disk before the manifest.
+        hashes = _hash_shared(staging, names, groups, purpose="save", sync=True)
+        if groups.world_rank == 0:
+            fsync_directories(staging)
+            manifest = {
+                "format_version": FORMAT_VERSION,
+                **header,
+                "layout": _layout(groups),
+                "files": {n: {"size": (staging / n).stat().st_size, "sha256": hashes[n]}
+                          for n in names},
+            }
+            write_atomically(staging / MANIFEST, json.dumps(manifest, indent=1))
+            if final.exists():
+                # Re-saving (e.g. a step after a resume): retire the old copy only now that the new
+                # one is complete.
+                retired = root / staging_name(name, uuid.uuid4().hex[:8], retired=True)
+                os.replace(final, retired)
+                os.replace(staging, final)
+                fsync_directory(root)
+                shutil.rmtree(retired)
+            else:
+                os.replace(staging, final)
             fsync_directory(root)
-            shutil.rmtree(retired)
-        else:
-            os.replace(staging, final)
-        fsync_directory(root)
+    except (OSError, CheckpointException) as error:
+        # A full disk or an exhausted quota: dist_checkpointing's writer processes report it
+        # as a CheckpointException (on every rank), our own writes as an OSError.
+        raise _save_failed(error, root, name, staging) from error
     dist.barrier()
     return final
+
+
+def _save_failed(error: BaseException, root: Path, name: str, staging: Path) -> RuntimeError:
+    """The error of a save that could not write its files. The half-written staging directory
+    is removed (it holds space the user needs back; start-up would remove it anyway); nothing
+    that was published before is touched."""
+    unfinished = staging.is_dir()
+    shutil.rmtree(staging, ignore_errors=True)
+    free = shutil.disk_usage(root).free if root.is_dir() else 0
+    previous = latest_checkpoint(root)
+    cause = str(error).strip().splitlines()
+    return RuntimeError(
+        f"could not write checkpoint {name} in {root} ({type(error).__name__}: "
+        f"{cause[-1] if cause else error!r}); a full disk or quota shows like this "
+        f"({free / 2**20:.1f} MiB free there now). "
+        f"{'The unfinished save was removed. ' if unfinished else ''}"
+        + (f"The newest complete checkpoint, {previous.name}, is untouched and loadable: free "
+           "space (or point checkpoint.dir at another file system) and rerun with "
+           "checkpoint.resume=true" if previous else
+           "No earlier checkpoint exists: free space (or point checkpoint.dir at another file "
+           "system) and rerun")
+    )
 
 
 def load_checkpoint(

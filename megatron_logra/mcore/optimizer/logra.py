@@ -60,8 +60,9 @@ from megatron_logra.mcore.optimizer.logra_state import (
 )
 from megatron_logra.mcore.process_groups import ParallelGroups
 from megatron_logra.mcore.tensor_parallel.sketched_linear import LayerSketch
+from megatron_logra.norm_blocks import norm_block_rows
 from megatron_logra.projection import generate_projection, projection_key
-from megatron_logra.row_adam_paper import blockwise_sq_norm, norm_block_rows
+from megatron_logra.row_adam_paper import blockwise_sq_norm
 from megatron_logra.sketch import apply_low_rank_update_, reconstructed_sq_norm
 from megatron_logra.sketch_buffer import FlatSketchBuffer, SketchSlot
 from megatron_logra.step_scale import ProposedUpdate, StepScale

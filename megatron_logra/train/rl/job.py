@@ -212,6 +212,7 @@ class RLJob:
             "loss": sums.loss_sum / max(sums.tokens, 1.0),
             "reward": sum(scored.rewards) / len(scored.rewards),
             "accuracy": sum(scored.correct) / len(scored.correct),
+            "reward_failed": scored.failed_grading,
             "response_length": generated / len(scored.lengths),
             "grad_norm": update.grad_norm,
             **step_metrics,

@@ -12,7 +12,7 @@ from megatron_logra.config import RLConfig
 from megatron_logra.data.prompt_data import PromptProblem
 from megatron_logra.mcore import ParallelGroups
 from megatron_logra.rl.presets import AdvantageEstimator
-from megatron_logra.rl.rewards import Reward
+from megatron_logra.rl.rewards import FAILURE_STATUSES, Reward
 from megatron_logra.rl.rollout import (
     RolloutBatch,
     RolloutEngine,
@@ -32,6 +32,9 @@ class ScoredRollouts:
         rollout: this rank's responses (with the engine's log-probs).
         rewards, correct, lengths: every response of the global batch, in global order.
         advantages: float32 ``[len(share)]``, this rank's slice of the global advantages.
+        failed_grading: responses of the global batch whose grading failed (a grader timeout,
+            a crashed or hung reward worker...): scored as incorrect by the reward's
+            ``on_grader_failure=zero_reward``, counted here so the metrics show it.
     """
 
     share: range
@@ -40,6 +43,7 @@ class ScoredRollouts:
     correct: list[bool]
     lengths: list[int]
     advantages: torch.Tensor
+    failed_grading: int = 0
 
 
 def sampling_params(rl: RLConfig, eos_id: int, *, evaluation: bool = False,
@@ -80,6 +84,7 @@ def collect_rollouts(
     all_correct = gather_dp(list(scored.correct), groups)
     all_rewards = gather_dp(list(scored.rewards), groups)
     all_lengths = gather_dp(rollout.response_lengths.tolist(), groups)
+    failed = sum(gather_dp([sum(s in FAILURE_STATUSES for s in scored.status)], groups))
     bad = [i for i, value in enumerate(all_rewards) if not math.isfinite(value)]
     if bad:
         # Every rank holds the gathered rewards, so every rank refuses here, before the loss.
@@ -96,4 +101,5 @@ def collect_rollouts(
     return ScoredRollouts(
         share=share, rollout=rollout, rewards=all_rewards, correct=all_correct,
         lengths=all_lengths, advantages=values[share.start : share.stop],
+        failed_grading=failed,
     )
