@@ -218,3 +218,37 @@ def test_moe_resume_resharded_from_ep2_to_ep1_equals_the_uninterrupted_run(runs)
     loss_err, weight_err = run_differences(resumed, _run(runs, "ep1"), max_entry_rel_err)
     assert loss_err < RESHARD_LOSS_REL_TOL, f"loss rel err {loss_err:.2e}"
     assert weight_err < RESHARD_WEIGHT_REL_TOL, f"weight rel err {weight_err:.2e}"
+
+
+def test_expert_state_estimate_equals_what_ep2_removes_from_each_rank(runs):
+    """The estimator's expert terms against the bytes the built optimizer holds
+    (``state_bytes.json``): going from EP=1 to EP=2 moves half of the experts off each rank and
+    changes nothing else of a rank's persistent state (the dense parts are replicated over DP,
+    fp32, no distributed optimizer), so the measured difference per category is exactly the
+    estimate's difference -- every per-expert term (fp32 weights, no gradient, one RowAdam
+    moment per row, an ``[m, r]`` sketch and an ``[r, n]`` projection per expert linear)."""
+    import json
+
+    from megatron_logra.config import load_config
+    from megatron_logra.memory.experts import expert_shape_from_model_config, expert_state_bytes
+
+    def measured(name: str) -> dict[str, int]:
+        per_rank = json.loads((_run(runs, name) / "state_bytes.json").read_text())["per_rank"]
+        assert all(rank == per_rank[0] for rank in per_rank), per_rank
+        return per_rank[0]
+
+    cfg = load_config(CONFIG, [*BASE, "parallel.tp=1"])
+    shape = expert_shape_from_model_config(cfg.model)
+    assert shape.moe_layers == len(MOE_LAYERS)
+
+    def estimate(ep: int) -> dict[str, float]:
+        return expert_state_bytes(shape, method="logra", precision="fp32", ep=ep,
+                                  sketch_rank=cfg.logra.sketch_rank)
+
+    ep1, ep2 = measured("ep1"), measured("ep2_alltoall")
+    want, got = estimate(1), estimate(2)
+    for category, key in (("weights", "weights"), ("gradients", "grads"),
+                          ("optimizer_state", "optimizer_state"), ("sketches", "sketches"),
+                          ("projections", "projections")):
+        assert ep1[key] - ep2[key] == want[category] - got[category], category
+    assert want["weights"] > 0 and want["sketches"] > 0 and want["projections"] > 0
