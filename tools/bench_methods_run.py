@@ -96,41 +96,15 @@ def resolved_master_mode(cfg: Any) -> str:
 
 
 def estimate(args: argparse.Namespace, cfg: Any, key: str) -> dict[str, float]:
-    import dataclasses
+    """The estimator's figures for the run this method's config describes: the model the product
+    builds (attention kind, recompute mode, paper mode's norms and KL probe), the same function
+    ``tools/memory_estimator.py --as-built`` and ``tools/estimate_vs_measured.py`` use."""
+    from megatron_logra.memory.from_config import estimate_for_config
 
-    from megatron_logra.memory.estimate import (
-        LOGRA_PRECISION_OF_MASTER_WEIGHTS,
-        Layout,
-        dense_adam_memory,
-        logra_memory,
-        lora_memory,
-        shape_from_model_config,
-    )
-
-    method = key.partition("@")[0]
-    shape = shape_from_model_config(cfg.model, vocab_size=args.vocab, name="bench")
-    fields = {"tp": args.tp, "dp": cfg.parallel.dp, "micro_batch_size": args.micro_batch_size,
-              "seq_length": args.seq_length, "sequence_parallel": args.sp,
-              "recompute": cfg.model.recompute, "num_microbatches": args.microbatches}
-    # The estimator's layout takes the attention kind once it models it (issue 12 item 4).
-    if "attention" in {f.name for f in dataclasses.fields(Layout)}:
-        fields["attention"] = cfg.model.attention
-    layout = Layout(**fields)
-    distopt = cfg.optimizer.use_distributed_optimizer
-    precision = cfg.model.params_dtype
-    if method == "dense_adam":
-        est = dense_adam_memory(shape, layout, precision=precision, distributed_optimizer=distopt)
-    elif method == "lora":
-        est = lora_memory(shape, layout, lora_rank=lora_rank(args), precision=precision,
-                          distributed_optimizer=distopt)
-    else:
-        est = logra_memory(shape, layout, sketch_rank=args.sketch_rank,
-                           precision=LOGRA_PRECISION_OF_MASTER_WEIGHTS[resolved_master_mode(cfg)],
-                           distributed_optimizer=distopt,
-                           non_targets="frozen" if method == "logra_paper" else "adam")
+    del key  # the config says the method
+    est = estimate_for_config(cfg, vocab_size=args.vocab)
     return {"persistent_bytes": est.persistent, "activations_bytes": est.activations,
-            "total_bytes": est.total, "host_bytes": est.host_optimizer_state,
-            "attention_modelled": "attention" in fields}
+            "total_bytes": est.total, "host_bytes": est.host_optimizer_state}
 
 
 def build(args: argparse.Namespace, key: str, groups: Any) -> tuple[Any, Any]:
