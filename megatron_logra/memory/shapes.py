@@ -203,9 +203,10 @@ def shape_from_model_config(model: ModelConfig, *, vocab_size: int, name: str = 
     if model.num_moe_experts is not None:
         # A dense shape would silently leave out the experts (most of an MoE model's weights).
         raise ValueError(
-            f"model.num_moe_experts={model.num_moe_experts}: the memory estimator has no expert "
-            "terms yet (docs/moe.md); estimate the dense part by leaving model.num_moe_experts "
-            "unset, or see docs/moe.md for the experts' state by hand"
+            f"model.num_moe_experts={model.num_moe_experts}: the whole-model estimate has no "
+            "expert terms yet (docs/moe.md); estimate the dense part by leaving "
+            "model.num_moe_experts unset and the experts' state with "
+            "megatron_logra.memory.experts.expert_state_bytes"
         )
     padded = math.ceil(vocab_size / model.make_vocab_size_divisible_by)
     padded *= model.make_vocab_size_divisible_by
