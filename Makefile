@@ -1,4 +1,5 @@
-# megatron_logra: `make demo` runs the CPU demo, `make test` the whole suite.
+# megatron_logra: `make demo` runs the CPU demo, `make test` the whole suite, `make demo-vllm` a
+# short RL run whose rollouts come from a separate vLLM engine kept in step by low-rank sync.
 # Both create .venv (Python 3.11, pinned packages) on first use; `make setup` does only that.
 # `make setup-vllm` creates .venv-vllm, the rollout engine's own venv (vLLM pins versions that
 # conflict with ours); `make test` needs it, since the vLLM tests run vLLM for real.
@@ -16,7 +17,7 @@ export OMP_NUM_THREADS ?= 1
 # The demo and the tests run on CPU over gloo; never let them pick up a GPU by accident.
 export CUDA_VISIBLE_DEVICES ?=
 
-.PHONY: setup setup-vllm demo test lint clean
+.PHONY: setup setup-vllm demo demo-vllm test lint clean
 
 setup: $(STAMP)
 
@@ -45,6 +46,9 @@ $(VLLM_STAMP): pyproject.toml megatron_logra_vllm/pyproject.toml
 
 demo: $(STAMP)
 	$(PY) tools/demo_cpu.py
+
+demo-vllm: $(STAMP) $(VLLM_STAMP)
+	$(PY) tools/demo_vllm.py
 
 test: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest -q tests

@@ -129,6 +129,18 @@ class Config:
             if value % ro.tp:
                 raise ValueError(f"{name}={value} must be divisible by rollout.tp={ro.tp} (the "
                                  "engine's tensor-parallel size); change rollout.tp")
+        if ro.engine == "vllm":
+            # vLLM loads the policy as a Hugging Face (Llama / Qwen2) checkpoint: our converter
+            # writes one only for the architecture those share.
+            for name, value, needed in (("model.normalization", m.normalization, "RMSNorm"),
+                                        ("model.activation", m.activation, "swiglu"),
+                                        ("model.position_embedding", m.position_embedding,
+                                         "rope")):
+                if value != needed:
+                    raise ValueError(
+                        f"{name}={value!r} with rollout.engine=vllm: vLLM serves the policy as "
+                        f"a Llama/Qwen2 checkpoint, which needs {name}={needed}; change it or "
+                        "use rollout.engine=megatron")
         for key, top_p in (("rl.sampling.top_p", self.rl.sampling.top_p),
                            ("rl.eval.top_p", self.rl.eval.top_p)):
             if top_p < 1.0:

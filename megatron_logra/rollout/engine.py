@@ -27,7 +27,10 @@ gap, a version the engine does not speak) raises an error that names the cause a
 nothing.
 
 **weight_checksums** returns ``megatron_logra.sync.checksum.weight_checksum`` of every served
-weight, keyed by its TP=1 (Megatron) parameter name; the trainer compares them with its own.
+weight in the engine's own naming and layout at TP=1, which **weight_layout** names:
+``"megatron"`` (the Megatron engine: the trainer's names and fused layouts) or
+``"huggingface"`` (vLLM: the Hugging Face checkpoint's names, q/k/v and gate/up split); the
+trainer maps its own weights to that layout before it compares digests.
 
 ``start`` brings the engine up (raises, naming the cause, if it does not come up in time) and
 ``close`` shuts it down; both are idempotent.
@@ -44,6 +47,9 @@ EngineResponse = tuple[list[int], list[float]]
 @runtime_checkable
 class GenerationEngine(Protocol):
     """A rollout engine outside the trainer's processes, kept in step by policy sync."""
+
+    weight_layout: str
+    """How ``weight_checksums`` names and lays out the weights: megatron or huggingface."""
 
     def start(self) -> None:
         """Start the engine (idempotent); an error naming the cause if it cannot."""
@@ -66,7 +72,7 @@ class GenerationEngine(Protocol):
         ...
 
     def weight_checksums(self) -> dict[str, str]:
-        """``weight_checksum`` of every served weight, by TP=1 parameter name."""
+        """``weight_checksum`` of every served weight, by the engine's TP=1 name."""
         ...
 
     def close(self) -> None:

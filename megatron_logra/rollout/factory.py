@@ -1,8 +1,12 @@
-"""``make_engine(cfg)``: the separate rollout engine ``rollout.engine`` names, not started."""
+"""``make_engine(cfg)``: the separate rollout engine ``rollout.engine`` names, not started.
+
+vLLM serves the Hugging Face checkpoint in ``vllm_checkpoint_dir(cfg)``, which the trainer
+writes before it starts the engine (``megatron_logra.train.rl.engine_checkpoint``)."""
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
 from pathlib import Path
 
 from megatron_logra.config import Config
@@ -16,7 +20,27 @@ def engine_dir(cfg: Config) -> Path:
     return Path(cfg.run.dir) / "engine"
 
 
-def make_engine(cfg: Config) -> GenerationEngine:
+def vllm_checkpoint_dir(cfg: Config) -> Path:
+    """The Hugging Face checkpoint a vLLM engine loads (the trainer writes it at RL start)."""
+    return engine_dir(cfg) / "hf"
+
+
+# model.params_dtype -> vLLM's dtype: the engine serves exactly the trainer's weights.
+_VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+def _vllm_engine(module, cfg: Config, target_names: Sequence[str]) -> GenerationEngine:
+    return module.VLLMEngine(
+        vllm_checkpoint_dir(cfg), target_names=target_names, tensor_parallel=cfg.rollout.tp,
+        dtype=_VLLM_DTYPES[cfg.model.params_dtype], max_model_len=cfg.model.seq_length,
+        seed=cfg.rl.seed, log_path=engine_dir(cfg) / "vllm.log",
+        start_timeout_s=cfg.rollout.start_timeout_s,
+        request_timeout_s=cfg.rollout.request_timeout_s)
+
+
+def make_engine(cfg: Config, target_names: Sequence[str] = ()) -> GenerationEngine:
+    """``target_names``: the LoGRA targets' Megatron names (``<layer_key>.weight``), of which
+    vLLM keeps an exact fp32 shadow; the Megatron engine finds them in its own model."""
     if cfg.rollout.engine == "megatron":
         from megatron_logra.rollout.megatron_engine import MegatronEngine
 
@@ -31,5 +55,5 @@ def make_engine(cfg: Config) -> GenerationEngine:
                 f"rollout.engine=vllm needs the vLLM client ({VLLM_CLIENT_MODULE}), which this "
                 "installation lacks; use rollout.engine=megatron"
             ) from error
-        return module.VLLMEngine(cfg, engine_dir(cfg) / "hf")
+        return _vllm_engine(module, cfg, target_names)
     raise ValueError(f"rollout.engine={cfg.rollout.engine!r} is not one of megatron, vllm")

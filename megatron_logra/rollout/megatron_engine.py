@@ -76,6 +76,8 @@ class MegatronEngine:
         log_dir: the engine ranks write their output to ``log_dir/engine_rank<r>.log``.
     """
 
+    weight_layout = "megatron"  # the same GPT: the trainer's names and fused layouts
+
     def __init__(self, cfg: Config, log_dir: str | Path) -> None:
         self.cfg = cfg
         self.log_dir = Path(log_dir)
@@ -176,7 +178,6 @@ class MegatronEngine:
 
     def weight_checksums(self) -> dict[str, str]:
         return dict(self._call("checksums", None))
-
     # ------------------------------------------------------------------ transport
 
     def _log_tail(self, rank: int) -> str:

@@ -44,6 +44,8 @@ class VLLMEngine:
         log_path: where the engine's output goes (default: a temporary file, named in errors).
     """
 
+    weight_layout = "huggingface"  # weight_checksums names the checkpoint's tensors
+
     def __init__(self, hf_dir: str | Path, *, target_names: Iterable[str],
                  tensor_parallel: int = 1, dtype: str = "float32", max_model_len: int | None = None,
                  seed: int = 0, venv: str | Path = DEFAULT_VENV, log_path: str | Path | None = None,
@@ -80,6 +82,7 @@ class VLLMEngine:
             handle, name = tempfile.mkstemp(prefix="vllm_engine_", suffix=".log")
             os.close(handle)
             self.log_path = Path(name)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         req_r, req_w = os.pipe()
         rep_r, rep_w = os.pipe()
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}

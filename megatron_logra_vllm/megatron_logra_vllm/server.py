@@ -49,6 +49,10 @@ class Engine:
         self.llm = LLM(model=hf_dir, dtype=dtype, tensor_parallel_size=tensor_parallel,
                        enforce_eager=True, max_model_len=max_model_len, block_size=32,
                        skip_tokenizer_init=True, seed=seed, enable_prefix_caching=True,
+                       # A sample's log-prob at its sampling temperature, log softmax(z / T)
+                       # (pi_rollout; top_p is 1 for a separate engine): vLLM's default,
+                       # raw_logprobs, is log softmax(z) whatever T.
+                       logprobs_mode="processed_logprobs",
                        worker_extension_cls=EXTENSION)
         self.arch = ServedArch.from_hf_config(self.llm.llm_engine.model_config.hf_config)
         served = self.llm.collective_rpc("megatron_logra_init", args=(target_names,))

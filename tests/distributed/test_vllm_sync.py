@@ -2,18 +2,21 @@
 trainer's, its log-probs of the trainer's tokens agree with the trainer's, and bad records and
 stale weights are loud.
 
-Two trainer jobs (tests/distributed/workers/vllm_sync_worker.py, 2 processes each, 4 LoGRA
-updates of the tiny grouped-query GPT) write a Hugging Face checkpoint of the initial weights and
-the stream of wire records a trainer sends; each feeds one vLLM engine (its own venv and process,
-``make setup-vllm``), at another layout than the trainer's:
+Two vLLM engines (each in its own venv and process, ``make setup-vllm``), at another layout
+than their trainer's:
 
-* library mode, fp32, TP=2 trainer (column-parallel rows, fc1's [gate_t; up_t], row-parallel
-  column slices; Adam's non-targets shipped dense) -> vLLM TP=1;
-* paper mode, bf16 weights with fp32 masters, DP=2 trainer -> vLLM TP=2 (its own sharding).
+* the RL job itself, through the CLI (``megatron_logra rl ... rollout.placement=separate
+  rollout.engine=vllm``): library mode, fp32, weight decay, a TP=2 trainer (column-parallel
+  rows, fc1's [gate_t; up_t], row-parallel column slices; Adam's non-targets shipped dense) ->
+  vLLM TP=1, started from the Hugging Face checkpoint the trainer writes, fully synced at start,
+  low-rank synced after every update and checked after every step;
+* a trainer job (tests/distributed/workers/vllm_sync_worker.py, 2 processes, 4 LoGRA updates)
+  in paper mode, bf16 weights with fp32 masters, DP=2, which writes the checkpoint and the
+  stream of wire records it would send -> vLLM TP=2 (its own sharding), fed that stream here.
 
 The weight check reads vLLM's parameters back from its workers (not the shadow) and compares
-digests with the trainer's weights in the Hugging Face layout. Without ``.venv-vllm`` the engine
-fixtures fail, saying to run ``make setup-vllm``.
+digests with the trainer's weights in the Hugging Face layout. Without ``.venv-vllm`` the
+engines fail to start, saying to run ``make setup-vllm``.
 """
 
 from __future__ import annotations
@@ -28,7 +31,10 @@ import torch
 from megatron_logra.rollout.vllm_engine import VLLMEngine
 from megatron_logra.sync.records import LowRankUpdate
 from megatron_logra.sync.wire import decode, encode
-from tests.torchrun import WORKERS, run_torchrun
+from megatron_logra.train.metrics import read_metrics
+from tests.cli_runs import CliRuns
+from tests.presets import SWIGLU_RMSNORM_NO_BIAS
+from tests.torchrun import REPO, WORKERS, run_torchrun
 
 pytestmark = pytest.mark.distributed
 
@@ -60,11 +66,31 @@ def _synced_engine(case: str, engine_tp: int, data_dir, tmp_path_factory):
     return engine, result, stream
 
 
+RL_STEPS = 3
+# The demo's RL config at the tiny size vLLM's CPU attention accepts (head width 32: 128 / 4
+# heads), 2 query groups of 2 heads (linear_qkv's per-group interleave differs from vLLM's
+# [q; k; v], and TP=2 splits whole groups); library mode with weight decay, so every kind of
+# record travels. Every step's weights are checked (sync.check_interval=1). Sampling at T = 0.7:
+# pi_rollout is log softmax(z / T), which vLLM reports only in its processed_logprobs mode (its
+# default gave a mean gap of -1.4e-2 here, 1000x the tolerance).
+RL_OVERRIDES = [
+    "parallel.tp=2", "model.hidden_size=128", "model.ffn_hidden_size=256",
+    "model.num_query_groups=2", *SWIGLU_RMSNORM_NO_BIAS, "model.params_dtype=fp32",
+    "logra.mode=library", "optimizer.weight_decay=0.1", f"train.steps={RL_STEPS}",
+    "train.micro_batch_size=4", "rl.prompts_per_step=8", "rl.sampling.max_new_tokens=5",
+    "rl.sampling.temperature=0.7",
+    "rl.eval.interval=0", "rl.eval.prompts=8", "rl.eval.samples=2",
+    "logra.kl_control.probe_responses=4", "rollout.placement=separate", "rollout.engine=vllm",
+    "rollout.tp=1", "sync.check_interval=1", "rollout.start_timeout_s=900",
+]
+
+
 @pytest.fixture(scope="module")
-def tp1_engine_of_tp2_fp32_trainer(synthetic_data_dir, tmp_path_factory):
-    engine, result, stream = _synced_engine("tp2", 1, synthetic_data_dir, tmp_path_factory)
-    yield engine, result, stream
-    engine.close()
+def rl_run_with_tp1_vllm_engine(synthetic_data_dir, tmp_path_factory) -> list[dict]:
+    runs = CliRuns(tmp_path_factory.mktemp("vllm_rl"), "rl", REPO / "configs" / "demo_rl_cpu.yaml",
+                   RL_OVERRIDES, synthetic_data_dir)
+    run = runs.run("tp2_fp32_trainer", 2)
+    return [r for r in read_metrics(run / "metrics.jsonl") if "sync_bytes" in r]
 
 
 @pytest.fixture(scope="module")
@@ -74,13 +100,30 @@ def tp2_engine_of_dp2_bf16_trainer(synthetic_data_dir, tmp_path_factory):
     engine.close()
 
 
-@pytest.fixture(params=["tp1_engine_of_tp2_fp32_trainer", "tp2_engine_of_dp2_bf16_trainer"])
-def synced(request):
-    return request.getfixturevalue(request.param)
+def test_rl_run_with_a_tp1_vllm_engine_checks_its_weights_equal_to_the_tp2_trainers_every_step(
+        rl_run_with_tp1_vllm_engine):
+    steps = rl_run_with_tp1_vllm_engine
+    assert [r["step"] for r in steps] == list(range(1, RL_STEPS + 1))
+    # Digests of every weight vLLM serves (fp32, read back from its worker) equal the trainer's
+    # after every step, the last one included: the final weights bit for bit.
+    assert all(r["sync_weights_match"] is True for r in steps)
+    # The full sync at start happens before step 0's evaluation; after every update only the
+    # low-rank records and the dense non-targets travel, fewer bytes than the refit they replace.
+    for r in steps:
+        assert 0 < r["sync_bytes"] < r["sync_full_bytes"]
 
 
-def test_vllm_serves_the_trainers_weights_bit_for_bit_after_4_low_rank_updates(synced):
-    engine, result, stream = synced
+def test_rl_run_vllm_rollout_logprobs_at_temperature_agree_with_the_trainers_recomputation(
+        rl_run_with_tp1_vllm_engine):
+    # On policy, log pi_rollout (vLLM's sampling log-probs at T = 0.7) - log pi_trainer (the
+    # TP=2 trainer's recomputation of the same tokens at T) averaged over every generated token
+    # of the step (measured 3.0e-8 and -1.8e-8).
+    for r in rl_run_with_tp1_vllm_engine:
+        assert abs(r["logprob_gap_all_tokens"]) <= LOGPROB_TOL["float32"]
+
+
+def test_vllm_serves_the_trainers_weights_bit_for_bit_after_4_low_rank_updates(tp2_engine_of_dp2_bf16_trainer):
+    engine, result, stream = tp2_engine_of_dp2_bf16_trainer
     assert result["update_count"] == NUM_UPDATES
     served = engine.weight_checksums()
     assert served == result["checksums"]  # every weight, HF layout, the served dtype's bits
@@ -89,31 +132,32 @@ def test_vllm_serves_the_trainers_weights_bit_for_bit_after_4_low_rank_updates(s
     assert low_rank == NUM_UPDATES * len(result["targets"])
 
 
-def test_vllm_logprobs_of_the_trainers_tokens_match_its_recomputation(synced):
-    engine, result, _ = synced
+def test_vllm_logprobs_of_the_trainers_tokens_match_its_recomputation(tp2_engine_of_dp2_bf16_trainer):
+    engine, result, _ = tp2_engine_of_dp2_bf16_trainer
     vllm_BL = torch.tensor(engine.score(result["tokens"]))
     trainer_BL = torch.tensor(result["logprobs"])
     assert vllm_BL.shape == trainer_BL.shape
     assert (vllm_BL - trainer_BL).abs().max().item() <= LOGPROB_TOL[result["served_dtype"]]
 
 
-def test_vllm_generates_tokens_with_their_logprobs(tp1_engine_of_tp2_fp32_trainer):
-    engine, result, _ = tp1_engine_of_tp2_fp32_trainer
+def test_vllm_generates_tokens_with_their_logprobs(tp2_engine_of_dp2_bf16_trainer):
+    engine, result, _ = tp2_engine_of_dp2_bf16_trainer
     prompts = [seq[:8] for seq in result["tokens"][:2]]
     samples = engine.generate(prompts, max_new_tokens=6, temperature=1.0, top_p=1.0, seed=3)
     assert [len(tokens) for tokens, _ in samples] == [6, 6]
     assert all(len(lps) == 6 and all(lp <= 0.0 for lp in lps) for _, lps in samples)
     # A fixed seed samples the same tokens again (a per-request generator); their log-probs
-    # agree to fp32 rounding (the second batch's kernels may sum in another order: 1 ulp seen).
+    # agree to the served dtype's rounding (the second batch's kernels may sum in another order:
+    # 1 ulp seen in fp32).
     again = engine.generate(prompts, max_new_tokens=6, temperature=1.0, top_p=1.0, seed=3)
     assert [tokens for tokens, _ in again] == [tokens for tokens, _ in samples]
     assert torch.allclose(torch.tensor([lps for _, lps in again]),
                           torch.tensor([lps for _, lps in samples]),
-                          rtol=0.0, atol=LOGPROB_TOL["float32"])
+                          rtol=0.0, atol=LOGPROB_TOL[result["served_dtype"]])
 
 
-def test_vllm_refuses_repeated_and_gapped_low_rank_updates_and_changes_nothing(synced):
-    engine, result, stream = synced
+def test_vllm_refuses_repeated_and_gapped_low_rank_updates_and_changes_nothing(tp2_engine_of_dp2_bf16_trainer):
+    engine, result, stream = tp2_engine_of_dp2_bf16_trainer
     last = next(p for p in reversed(stream) if isinstance(decode(p), LowRankUpdate))
     record = decode(last)
     expected = f"refusing update of {record.layer_key}: expected update_count {NUM_UPDATES + 1}"
@@ -125,8 +169,8 @@ def test_vllm_refuses_repeated_and_gapped_low_rank_updates_and_changes_nothing(s
     engine.check_weights(result["checksums"])
 
 
-def test_vllm_checksum_check_names_the_weights_that_differ(synced):
-    engine, result, _ = synced
+def test_vllm_checksum_check_names_the_weights_that_differ(tp2_engine_of_dp2_bf16_trainer):
+    engine, result, _ = tp2_engine_of_dp2_bf16_trainer
     stale = sorted(n for n, d in result["previous_checksums"].items()
                    if result["checksums"][n] != d)
     assert stale

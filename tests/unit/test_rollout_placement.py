@@ -11,13 +11,18 @@ import pytest
 import torch
 
 from megatron_logra.config import config_from_dict, load_config
+from megatron_logra.mcore.models.sync_state import target_param_names
 from megatron_logra.rl.rollout import SamplingParams
 from megatron_logra.rollout.engine import GenerationEngine
 from megatron_logra.rollout.factory import VLLM_CLIENT_MODULE, make_engine
 from megatron_logra.rollout.megatron_engine import MegatronEngine, engine_config
+from megatron_logra.rollout.vllm_engine import VLLMEngine
 from megatron_logra.train.rl.engine_rollouts import rollout_batch
 
 SEPARATE = ["rollout.placement=separate", "optimizer.name=logra"]
+# A model vLLM can serve (a Llama-style checkpoint through our converter).
+LLAMA_STYLE = ["model.normalization=RMSNorm", "model.activation=swiglu",
+               "model.position_embedding=rope"]
 
 
 def _refused(overrides: list[str], fragments: list[str], command: str = "rl") -> None:
@@ -124,7 +129,28 @@ def test_make_engine_builds_the_megatron_engine_and_names_a_missing_vllm_client(
     engine = make_engine(cfg)
     assert isinstance(engine, MegatronEngine) and isinstance(engine, GenerationEngine)
     monkeypatch.setitem(sys.modules, VLLM_CLIENT_MODULE, None)  # as if the file were absent
-    cfg = load_config(None, [*SEPARATE, "rollout.engine=vllm", f"run.dir={tmp_path}"])
+    cfg = load_config(None, [*SEPARATE, "rollout.engine=vllm", *LLAMA_STYLE, f"run.dir={tmp_path}"])
     with pytest.raises(RuntimeError, match=r"rollout.engine=vllm needs the vLLM client \(megatron_"
                        r"logra.rollout.vllm_engine\).*use rollout.engine=megatron"):
         make_engine(cfg)
+
+
+def test_make_engine_builds_vllm_from_the_rollout_config(tmp_path):
+    cfg = load_config(None, [*SEPARATE, "rollout.engine=vllm", *LLAMA_STYLE, "rollout.tp=2",
+                             "model.params_dtype=bf16", "model.num_layers=2",
+                             "rollout.start_timeout_s=123", "rollout.request_timeout_s=45",
+                             "rl.seed=7", f"run.dir={tmp_path}"])
+    targets = target_param_names(cfg.logra.targets, 2)
+    engine = make_engine(cfg, targets)
+    assert isinstance(engine, VLLMEngine) and isinstance(engine, GenerationEngine)
+    assert engine.hf_dir == tmp_path / "engine" / "hf"  # where the trainer writes the policy
+    assert (engine.tensor_parallel, engine.dtype, engine.seed) == (2, "bfloat16", 7)
+    assert (engine.start_timeout_s, engine.request_timeout_s) == (123.0, 45.0)
+    assert engine.max_model_len == cfg.model.seq_length
+    assert engine.target_names == sorted(targets) and engine.weight_layout == "huggingface"
+
+
+def test_vllm_engine_refuses_a_model_without_a_llama_equivalent_naming_the_field():
+    _refused([*SEPARATE, "rollout.engine=vllm", *LLAMA_STYLE, "model.normalization=LayerNorm"],
+             ["model.normalization='LayerNorm' with rollout.engine=vllm", "RMSNorm",
+              "rollout.engine=megatron"])

@@ -39,15 +39,17 @@ from megatron_logra.mcore import (
     load_model_weights,
     setup_training,
 )
+from megatron_logra.mcore.models.sync_state import target_param_names
 from megatron_logra.rl.eval_answers import eval_answers_path, write_eval_answers
 from megatron_logra.rl.presets import build_preset
 from megatron_logra.rl.prompt_schedule import PromptSchedule
 from megatron_logra.rl.rewards import build_reward
-from megatron_logra.rollout.factory import make_engine
+from megatron_logra.rollout.factory import make_engine, vllm_checkpoint_dir
 from megatron_logra.train.loop import run
 from megatron_logra.train.metrics import memory_bytes
 from megatron_logra.train.rl.batching import pad_to_length, probe_batch, rl_microbatches
 from megatron_logra.train.rl.collectives import from_world_rank0
+from megatron_logra.train.rl.engine_checkpoint import write_engine_checkpoint
 from megatron_logra.train.rl.engine_rollouts import SeparateEngineRollouts
 from megatron_logra.train.rl.evaluation import evaluate
 from megatron_logra.train.rl.policy_sync import PolicySync
@@ -99,11 +101,18 @@ class RLJob:
         self.separate_engine = None
         self.sync: PolicySync | None = None
         if cfg.rollout.separate:
+            if cfg.rollout.engine == "vllm":
+                # vLLM loads a Hugging Face checkpoint: the policy, through our converter.
+                write_engine_checkpoint(cfg, self.setup, groups, vllm_checkpoint_dir(cfg),
+                                        vocab_size=embedding_rows(cfg, tokenizer),
+                                        eos_id=tokenizer.eos_id)
+            target_names = (target_param_names(cfg.logra.targets, cfg.model.num_layers)
+                            if self.setup.logra is not None else [])
             # World rank 0 owns the engine; every rank learns whether it started.
             started: list = []
 
             def start() -> None:
-                started.append(make_engine(cfg))
+                started.append(make_engine(cfg, target_names))
                 started[0].start()
             from_world_rank0(start, "starting the rollout engine")
             self.separate_engine = started[0] if started else None

@@ -20,13 +20,20 @@ apply; rank 0's clock), ``sync_full_bytes`` (what one full sync ships), and on c
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from megatron_logra.config import Config
 from megatron_logra.mcore import ParallelGroups
+from megatron_logra.mcore.conversion import (
+    HF_CONFIG_FILE,
+    architecture_from_hf_config,
+    hf_tensors_from_megatron,
+)
 from megatron_logra.mcore.models.sync_state import (
     exact_state,
     served_weights,
@@ -34,6 +41,7 @@ from megatron_logra.mcore.models.sync_state import (
     trainable_non_targets,
 )
 from megatron_logra.rollout.engine import GenerationEngine
+from megatron_logra.rollout.factory import vllm_checkpoint_dir
 from megatron_logra.sync.checksum import mismatched_weights, weight_checksums
 from megatron_logra.sync.records import DenseUpdate, combine_rank_records, full_sync_buckets
 from megatron_logra.sync.wire import encode
@@ -66,6 +74,7 @@ class PolicySync:
         self._since_check = 0
         self._updates = 0  # updates this process has seen (a non-LoGRA run's count)
         self._resumed = 0  # updates before this process (a resumed non-LoGRA run)
+        self._hf_arch = None  # a Hugging Face engine's layout, read on first use (rank 0)
 
     # ------------------------------------------------------------------ counts
 
@@ -155,11 +164,24 @@ class PolicySync:
                              for name, value in sorted(dense.items())]
         return self._send(payloads, "low-rank policy sync")
 
+    def _engine_layout(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The trainer's full weights named and laid out as the engine reports its own."""
+        if self.engine.weight_layout == "megatron":
+            return weights
+        if self.engine.weight_layout != "huggingface":
+            raise RuntimeError(f"the rollout engine's weight_layout "
+                               f"{self.engine.weight_layout!r} is not megatron or huggingface")
+        if self._hf_arch is None:
+            # The mapping of the checkpoint the engine loaded (written at RL start).
+            config = json.loads((vllm_checkpoint_dir(self.cfg) / HF_CONFIG_FILE).read_text())
+            self._hf_arch = architecture_from_hf_config(config)
+        return hf_tensors_from_megatron(weights, self._hf_arch)
+
     def mismatched(self) -> list[str]:
         """Names whose served weights differ between the trainer and the engine (collective)."""
         weights = served_weights(self.setup.model_chunks, self.groups)
 
         def compare() -> list[str]:
-            return mismatched_weights(weight_checksums(weights.items()),
+            return mismatched_weights(weight_checksums(self._engine_layout(weights).items()),
                                       self.engine.weight_checksums())
         return from_world_rank0(compare, "policy sync weight check")

@@ -14,9 +14,8 @@ and writes under ``--out`` (rank 0):
   data's token sequences and the trainer's log-probs of them (temperature 1), recomputed after
   the last update.
 
-Cases: ``tp2`` -- library mode, fp32 weights, weight decay, Adam-trained non-targets shipped
-dense, TP=2; ``dp2`` -- paper mode, bf16 weights with fp32 masters, bf16 factors on the wire,
-DP=2.
+Case ``dp2``: paper mode, bf16 weights with fp32 masters, bf16 factors on the wire, DP=2. (The
+fp32 TP=2 library-mode trainer of the vLLM tests is the RL job itself, through the CLI.)
 """
 
 from __future__ import annotations
@@ -55,8 +54,6 @@ GLOBAL_BATCH = 4
 MODEL = [*tiny_gpt(hidden_size=128, ffn_hidden_size=256, seq_length=2 * SEQ_LENGTH), "model.num_query_groups=2",
          *SWIGLU_RMSNORM_NO_BIAS]
 CASES: dict[str, tuple[list[str], str]] = {
-    "tp2": (["parallel.tp=2", "logra.mode=library", "model.params_dtype=fp32",
-             "optimizer.weight_decay=0.1", "optimizer.lr=3e-3"], "fp32"),
     "dp2": (["parallel.tp=1", "logra.mode=paper", "model.params_dtype=bf16",
              "logra.update_factor_dtype=bf16", "logra.update_ratio=1e-3"], "bf16"),
 }
