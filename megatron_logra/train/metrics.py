@@ -58,6 +58,11 @@ _FIELD_FORMATS: dict[str, Callable[[Any], str]] = {
     "kl_predicted_scaled": lambda value: f"kl_pred {value:.2e}",
     "kl_realized": lambda value: f"kl_real {value:.2e}",
     "alpha": lambda value: f"alpha {value:.3f}",
+    "rollout_time_s": lambda value: f"rollout {value:.3f} s",
+    "update_time_s": lambda value: f"update {value:.3f} s",
+    "sync_bytes": lambda value: f"sync {value:,} B",
+    "sync_time_s": lambda value: f"sync {value:.3f} s",
+    "sync_weights_match": lambda value: "weights equal" if value else "WEIGHTS DIFFER",
 }
 
 
@@ -74,7 +79,8 @@ def _format_field(key: str, value: Any) -> str | None:
 # Fields shown on the console line, in this order; everything else goes only to JSONL.
 CONSOLE_FIELDS: tuple[str, ...] = (
     "loss", "reward", "accuracy", "grad_norm", "lr", "kl_predicted_scaled", "kl_realized",
-    "alpha", "tokens_per_s", "step_time_s", "master_merge_time_s", "mem_bytes",
+    "alpha", "tokens_per_s", "step_time_s", "rollout_time_s", "update_time_s",
+    "master_merge_time_s", "sync_bytes", "sync_time_s", "sync_weights_match", "mem_bytes",
 )
 
 

@@ -62,6 +62,19 @@ def test_console_line_shows_step_counter_and_formatted_fields():
     )
 
 
+def test_console_line_shows_rl_phase_times_and_policy_sync():
+    console = io.StringIO()
+    MetricsLog(None, total_steps=9, console=console).log({
+        "step": 2, "loss": 1.0, "step_time_s": 1.5, "rollout_time_s": 1.0, "update_time_s": 0.4,
+        "sync_bytes": 250352, "sync_time_s": 0.063, "sync_full_bytes": 2232665,
+        "sync_weights_match": False,
+    })
+    assert console.getvalue() == (
+        "step 2/9 | loss 1.0000 | 1.500 s | rollout 1.000 s | update 0.400 s"
+        " | sync 250,352 B | sync 0.063 s | WEIGHTS DIFFER\n"
+    )
+
+
 def test_console_line_omits_absent_fields_and_non_console_fields():
     console = io.StringIO()
     MetricsLog(None, total_steps=100, console=console).log(RECORDS[1])
