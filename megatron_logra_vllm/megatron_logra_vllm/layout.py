@@ -11,9 +11,10 @@ TP rank's shard (its query heads and their key/value heads; column slices for th
 * ``linear_fc1`` ([gate; up]) -> ``gate_proj``, ``up_proj``;
 * the word embeddings and output layer without Megatron's padding rows; everything else renamed.
 
-The same row orders as ``megatron_logra.mcore.conversion.hf_layout`` (the converter), written
-again here because that package imports Megatron, which the vLLM venv does not have; a unit test
-holds the two equal. The reverse direction (:func:`hf_from_vllm_shards`) reassembles what vLLM
+The renames are the converter's own table (:mod:`megatron_logra.hf_names`); the two splits are the
+row orders of ``megatron_logra.mcore.conversion.hf_layout`` (the converter), written again here
+because that package imports Megatron, which the vLLM venv does not have; a unit test holds the
+two equal. The reverse direction (:func:`hf_from_vllm_shards`) reassembles what vLLM
 serves, so the weight check compares vLLM's real parameters, not the shadow.
 
 Torch only.
@@ -21,22 +22,13 @@ Torch only.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-_RENAMES = {
-    "input_layernorm.weight": "input_layernorm.weight",
-    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
-    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
-    "self_attention.linear_proj.bias": "self_attn.o_proj.bias",
-    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
-    "mlp.linear_fc2.bias": "mlp.down_proj.bias",
-}
+from megatron_logra.hf_names import LAYER_NAME, LAYER_RENAMES
 
 
 @dataclass(frozen=True)
@@ -69,12 +61,12 @@ def hf_tensors(name: str, tensor: torch.Tensor, arch: ServedArch) -> list[tuple[
         return [("lm_head.weight", tensor[: arch.vocab_size])]
     if name == "decoder.final_layernorm.weight":
         return [("model.norm.weight", tensor)]
-    match = _LAYER.match(name)
+    match = LAYER_NAME.match(name)
     if match is None:
         raise ValueError(f"Megatron parameter {name!r} has no Hugging Face counterpart")
     prefix, suffix = f"model.layers.{match.group(1)}.", match.group(2)
-    if suffix in _RENAMES:
-        return [(prefix + _RENAMES[suffix], tensor)]
+    if suffix in LAYER_RENAMES:
+        return [(prefix + LAYER_RENAMES[suffix], tensor)]
     kind = suffix.rsplit(".", 1)[1]
     if suffix.startswith("self_attention.linear_qkv."):
         d, groups = arch.head_dim, arch.num_kv_heads

@@ -18,15 +18,12 @@ orders.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Mapping
 
 import torch
 
+from megatron_logra.hf_names import LAYER_NAME, LAYER_RENAMES
 from megatron_logra.mcore.conversion.hf_config import HFArchitecture
-
-_LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-
 
 # ----------------------------------------------------------------------------- fused layouts
 
@@ -64,15 +61,6 @@ def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- name mapping
 
-# Megatron layer suffix -> Hugging Face layer suffix, for the plain renames.
-_LAYER_RENAMES: dict[str, str] = {
-    "input_layernorm.weight": "input_layernorm.weight",
-    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
-    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
-    "self_attention.linear_proj.bias": "self_attn.o_proj.bias",
-    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
-    "mlp.linear_fc2.bias": "mlp.down_proj.bias",
-}
 
 
 def megatron_full_tensor(
@@ -88,13 +76,13 @@ def megatron_full_tensor(
         return _pad_rows(read(source), padded_vocab)
     if name == "decoder.final_layernorm.weight":
         return read("model.norm.weight")
-    match = _LAYER_NAME.match(name)
+    match = LAYER_NAME.match(name)
     if match is None:
         raise ValueError(f"Megatron parameter {name!r} has no Hugging Face counterpart")
     layer, suffix = int(match.group(1)), match.group(2)
     p = f"model.layers.{layer}."
-    if suffix in _LAYER_RENAMES:
-        return read(p + _LAYER_RENAMES[suffix])
+    if suffix in LAYER_RENAMES:
+        return read(p + LAYER_RENAMES[suffix])
     if suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
         kind = suffix.rsplit(".", 1)[1]
         return fuse_qkv(*(read(f"{p}self_attn.{proj}.{kind}")
@@ -125,7 +113,7 @@ def hf_tensors_from_megatron(
     out["model.norm.weight"] = take("decoder.final_layernorm.weight")
     for i in range(arch.num_layers):
         m, p = f"decoder.layers.{i}.", f"model.layers.{i}."
-        for megatron_suffix, hf_suffix in _LAYER_RENAMES.items():
+        for megatron_suffix, hf_suffix in LAYER_RENAMES.items():
             if m + megatron_suffix in full:
                 out[p + hf_suffix] = take(m + megatron_suffix)
         kinds = ["weight"] + (["bias"] if arch.qkv_bias else [])
