@@ -9,7 +9,6 @@ exercise each new flag once.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -19,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.presets import TINY_GPT
+from tests.tools import load_tool
 
 REPO = Path(__file__).resolve().parents[2]
 TOOLS = REPO / "tools"
@@ -32,16 +32,7 @@ TINY = [
 FP32_BYTES = 4
 
 
-def _load_bench_methods():
-    sys.path.insert(0, str(TOOLS))  # the tool imports its sibling modules by name
-    spec = importlib.util.spec_from_file_location("bench_methods", TOOLS / "bench_methods.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_methods"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench_methods = _load_bench_methods()
+bench_methods = load_tool("bench_methods")
 
 
 def _child(tmp_path: Path, child: str, *flags: str) -> dict:

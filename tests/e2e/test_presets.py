@@ -15,19 +15,18 @@ the estimator's verdict. A preset cannot rot unnoticed:
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import json
 import math
 import re
 import shlex
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
 from megatron_logra.config import Config, load_config
+from tests.tools import load_tool
 from tests.torchrun import REPO, run_torchrun
 
 PRESETS = ("qwen2.5-1.5b", "qwen2.5-7b", "dense-27b")
@@ -74,13 +73,7 @@ def test_preset_validates_at_its_launch_layout_as_bf16_logra_rank_256(name):
 
 
 def _estimator_main():
-    spec = importlib.util.spec_from_file_location("memory_estimator",
-                                                  REPO / "tools" / "memory_estimator.py")
-    module = importlib.util.module_from_spec(spec)
-    # dataclasses resolve their string annotations through sys.modules.
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module.main
+    return load_tool("memory_estimator").main
 
 
 @pytest.mark.parametrize("name", PRESETS)

@@ -14,7 +14,6 @@ is timed. The measured gains behind the chosen lengths are in docs/LOG.md.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -26,6 +25,7 @@ from megatron_logra.rl.eval_answers import (
     read_eval_answers,
 )
 from megatron_logra.train.metrics import read_metrics
+from tests.tools import load_tool
 from tests.torchrun import REPO, run_torchrun
 
 pytestmark = pytest.mark.distributed
@@ -33,14 +33,7 @@ pytestmark = pytest.mark.distributed
 CONFIG = REPO / "configs" / "demo_rl_cpu.yaml"
 
 
-def _demo_module():
-    spec = importlib.util.spec_from_file_location("demo_cpu", REPO / "tools" / "demo_cpu.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-DEMO = _demo_module()
+DEMO = load_tool("demo_cpu")
 # Shorter than the demo's RL run (200 steps). On the demo's warm start the paired z of the greedy
 # gain measured 4.1 after 100 steps and 5.7 after 150 (docs/LOG.md, 2026-11-29 demo).
 RL_STEPS = 150

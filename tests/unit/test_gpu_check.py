@@ -18,18 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.tools import load_tool
+
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _load_gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "tools" / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = module  # dataclasses resolve the module by name
-    spec.loader.exec_module(module)
-    return module
-
-
-gpu_check = _load_gpu_check()
+gpu_check = load_tool("gpu_check")
 
 
 def _records(out: Path) -> dict[str, dict]:

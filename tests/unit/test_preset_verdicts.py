@@ -4,21 +4,14 @@ them and this test keeps them from going stale."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-
 import pytest
 
+from tests.tools import load_tool
 from tests.torchrun import REPO
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("preset_verdicts",
-                                                  REPO / "tools" / "preset_verdicts.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("preset_verdicts")
 
 
 def test_preset_headers_and_readme_table_equal_what_the_estimator_says_now():
