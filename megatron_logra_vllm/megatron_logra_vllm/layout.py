@@ -11,10 +11,8 @@ TP rank's shard (its query heads and their key/value heads; column slices for th
 * ``linear_fc1`` ([gate; up]) -> ``gate_proj``, ``up_proj``;
 * the word embeddings and output layer without Megatron's padding rows; everything else renamed.
 
-The renames are the converter's own table (:mod:`megatron_logra.hf_names`); the two splits are the
-row orders of ``megatron_logra.mcore.conversion.hf_layout`` (the converter), written again here
-because that package imports Megatron, which the vLLM venv does not have; a unit test holds the
-two equal. The reverse direction (:func:`hf_from_vllm_shards`) reassembles what vLLM
+The renames and the row orders are the converter's own (:mod:`megatron_logra.hf_names`,
+:mod:`megatron_logra.hf_layout`: torch-only, so they load in the vLLM venv). The reverse direction (:func:`hf_from_vllm_shards`) reassembles what vLLM
 serves, so the weight check compares vLLM's real parameters, not the shadow.
 
 Torch only.
@@ -28,6 +26,7 @@ from typing import Any
 
 import torch
 
+from megatron_logra import hf_layout as layout
 from megatron_logra.hf_names import LAYER_NAME, LAYER_RENAMES
 
 
@@ -54,11 +53,11 @@ class ServedArch:
 def hf_tensors(name: str, tensor: torch.Tensor, arch: ServedArch) -> list[tuple[str, torch.Tensor]]:
     """The Hugging Face tensors of Megatron's full tensor ``name`` (global layer numbers)."""
     if name == "embedding.word_embeddings.weight":
-        return [("model.embed_tokens.weight", tensor[: arch.vocab_size])]
+        return [("model.embed_tokens.weight", layout.strip_vocab_rows(tensor, arch.vocab_size))]
     if name == "output_layer.weight":
         if arch.tie_word_embeddings:
             return []  # tied: vLLM's lm_head is the embedding
-        return [("lm_head.weight", tensor[: arch.vocab_size])]
+        return [("lm_head.weight", layout.strip_vocab_rows(tensor, arch.vocab_size))]
     if name == "decoder.final_layernorm.weight":
         return [("model.norm.weight", tensor)]
     match = LAYER_NAME.match(name)
@@ -69,14 +68,12 @@ def hf_tensors(name: str, tensor: torch.Tensor, arch: ServedArch) -> list[tuple[
         return [(prefix + LAYER_RENAMES[suffix], tensor)]
     kind = suffix.rsplit(".", 1)[1]
     if suffix.startswith("self_attention.linear_qkv."):
-        d, groups = arch.head_dim, arch.num_kv_heads
-        per_group = arch.num_heads // groups
-        grouped = tensor.reshape(groups, (per_group + 2) * d, *tensor.shape[1:])
-        q, k, v = torch.split(grouped, [per_group * d, d, d], dim=1)
-        return [(f"{prefix}self_attn.{proj}.{kind}", part.reshape(-1, *tensor.shape[1:]))
+        q, k, v = layout.split_qkv(tensor, num_heads=arch.num_heads,
+                                   num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim)
+        return [(f"{prefix}self_attn.{proj}.{kind}", part)
                 for proj, part in (("q_proj", q), ("k_proj", k), ("v_proj", v))]
     if suffix.startswith("mlp.linear_fc1."):
-        gate, up = torch.chunk(tensor, 2, dim=0)
+        gate, up = layout.split_gate_up(tensor)
         return [(f"{prefix}mlp.gate_proj.{kind}", gate), (f"{prefix}mlp.up_proj.{kind}", up)]
     raise ValueError(f"Megatron parameter {name!r} has no Hugging Face counterpart")
 

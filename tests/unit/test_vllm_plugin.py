@@ -1,5 +1,5 @@
 """The vLLM plugin's torch-only parts, in our venv (no vLLM needed): its Megatron -> Hugging Face
-layout equals the converter's, its reassembly of vLLM's TP shards inverts vLLM's sharding, and
+layout inverts the converter's, its reassembly of vLLM's TP shards inverts vLLM's sharding, and
 the engine refuses a protocol or vLLM version it was not built for.
 
 The vLLM engine itself is tested for real in tests/distributed/test_vllm_sync.py.
@@ -19,7 +19,11 @@ sys.path.insert(0, str(REPO / "megatron_logra_vllm"))
 from megatron_logra_vllm.layout import ServedArch, hf_from_vllm_shards, hf_tensors  # noqa: E402
 from megatron_logra_vllm.server import check_versions  # noqa: E402
 
-from megatron_logra.mcore.conversion import HFArchitecture, hf_tensors_from_megatron  # noqa: E402
+from megatron_logra.mcore.conversion import (  # noqa: E402
+    HFArchitecture,
+    hf_tensors_from_megatron,
+    megatron_full_tensor,
+)
 from megatron_logra_vllm import VLLM_VERSION  # noqa: E402
 
 # 4 query heads in 2 groups of width 8: the per-group interleave of linear_qkv is not [q; k; v].
@@ -46,12 +50,15 @@ def _megatron_full() -> dict[str, torch.Tensor]:
     return {n: torch.randn(s, generator=g) for n, s in shapes.items()}
 
 
-def test_plugin_layout_equals_the_converters_megatron_to_hf_mapping():
-    full = _megatron_full()
-    expected = hf_tensors_from_megatron(full, ARCH)
+def test_plugin_layout_inverts_the_converters_hf_to_megatron_mapping():
+    """Hugging Face tensors -> Megatron's full tensors (the converter's reader) -> the tensors
+    the plugin hands vLLM's loaders: every Hugging Face tensor comes back bit for bit."""
+    hf = hf_tensors_from_megatron(_megatron_full(), ARCH)
+    full = {name: megatron_full_tensor(name, ARCH, hf.__getitem__, PADDED_VOCAB)
+            for name in _megatron_full()}
     got = dict(pair for name, t in full.items() for pair in hf_tensors(name, t, SERVED))
-    assert got.keys() == expected.keys()
-    for name, tensor in expected.items():
+    assert got.keys() == hf.keys()
+    for name, tensor in hf.items():
         assert torch.equal(got[name], tensor), name
 
 

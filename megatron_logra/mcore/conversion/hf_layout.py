@@ -1,19 +1,10 @@
-"""Megatron's fused layouts <-> Hugging Face's separate projections, and the name mapping.
+"""Megatron checkpoints' full tensors <-> Hugging Face tensors, by name.
 
-* ``self_attention.linear_qkv`` fuses q, k and v *per query group*: for each of the ``g`` key/value
-  heads, the ``a/g`` query heads that attend to it, then its key head, then its value head
-  (``[q_0 .. q_{a/g-1}, k, v]`` per group, each head ``d`` rows). Megatron splits this tensor over
-  TP along whole groups, which is why ``g`` must be divisible by the TP size. Hugging Face's
-  grouped-query attention gives query head ``i`` the key/value head ``i // (a/g)``, so the
-  query heads of group ``j`` are rows ``[j (a/g) d, (j+1) (a/g) d)`` of ``q_proj``. The bias (Qwen2
-  always has one on q, k and v) follows the same order.
-* ``mlp.linear_fc1`` stacks ``[gate; up]``: Megatron's gated linear unit applies the activation
-  to the first half and multiplies by the second.
-* the word embeddings are padded with zero rows to ``model.make_vocab_size_divisible_by``; the
-  Hugging Face vocabulary size is kept to strip them on the way back.
-
-Everything else is a rename. Pure tensor code: a rollout engine's weight sync uses the same row
-orders.
+The row orders of the fused tensors (``linear_qkv`` interleaved per query group, ``linear_fc1``
+as ``[gate; up]``, the padded vocabulary) are :mod:`megatron_logra.hf_layout`, and the plain
+renames :mod:`megatron_logra.hf_names`: both torch-only and outside ``mcore/``, shared with the
+vLLM plugin. This module adds what needs the converter's :class:`HFArchitecture`: which tensors a
+checkpoint has, and the checks that every tensor is used.
 """
 
 from __future__ import annotations
@@ -22,45 +13,24 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from megatron_logra import hf_layout as layout
 from megatron_logra.hf_names import LAYER_NAME, LAYER_RENAMES
 from megatron_logra.mcore.conversion.hf_config import HFArchitecture
-
-# ----------------------------------------------------------------------------- fused layouts
 
 
 def fuse_qkv(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: HFArchitecture
 ) -> torch.Tensor:
     """Hugging Face's q/k/v weights (or biases) -> Megatron's per-group interleaved linear_qkv."""
-    rest = q.shape[1:]
-    d, groups = arch.head_dim, arch.num_kv_heads
-    q = q.reshape(groups, arch.heads_per_group * d, *rest)
-    k = k.reshape(groups, d, *rest)
-    v = v.reshape(groups, d, *rest)
-    return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
+    return layout.fuse_qkv(q, k, v, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim)
 
 
 def split_qkv(
     qkv: torch.Tensor, arch: HFArchitecture
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Inverse of :func:`fuse_qkv`."""
-    rest = qkv.shape[1:]
-    d, groups = arch.head_dim, arch.num_kv_heads
-    grouped = qkv.reshape(groups, (arch.heads_per_group + 2) * d, *rest)
-    q, k, v = torch.split(grouped, [arch.heads_per_group * d, d, d], dim=1)
-    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
-
-
-def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
-    if tensor.shape[0] == rows:
-        return tensor
-    padded = torch.zeros((rows, *tensor.shape[1:]), dtype=tensor.dtype)
-    padded[: tensor.shape[0]] = tensor
-    return padded
-
-
-# ----------------------------------------------------------------------------- name mapping
-
+    return layout.split_qkv(qkv, num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads,
+                            head_dim=arch.head_dim)
 
 
 def megatron_full_tensor(
@@ -69,11 +39,11 @@ def megatron_full_tensor(
     """The full (TP=1) tensor of Megatron parameter ``name`` (global layer numbers), built from
     the Hugging Face tensors ``read`` returns by name."""
     if name == "embedding.word_embeddings.weight":
-        return _pad_rows(read("model.embed_tokens.weight"), padded_vocab)
+        return layout.pad_vocab_rows(read("model.embed_tokens.weight"), padded_vocab)
     if name == "output_layer.weight":
         # Tied models: the last pipeline stage's own copy of the embeddings.
         source = "model.embed_tokens.weight" if arch.tie_word_embeddings else "lm_head.weight"
-        return _pad_rows(read(source), padded_vocab)
+        return layout.pad_vocab_rows(read(source), padded_vocab)
     if name == "decoder.final_layernorm.weight":
         return read("model.norm.weight")
     match = LAYER_NAME.match(name)
@@ -89,7 +59,8 @@ def megatron_full_tensor(
                           for proj in ("q_proj", "k_proj", "v_proj")), arch)
     if suffix in ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias"):
         kind = suffix.rsplit(".", 1)[1]
-        return torch.cat([read(f"{p}mlp.gate_proj.{kind}"), read(f"{p}mlp.up_proj.{kind}")])
+        return layout.fuse_gate_up(read(f"{p}mlp.gate_proj.{kind}"),
+                                   read(f"{p}mlp.up_proj.{kind}"))
     raise ValueError(f"Megatron parameter {name!r} has no Hugging Face counterpart")
 
 
@@ -107,9 +78,11 @@ def hf_tensors_from_megatron(
         used.add(name)
         return full[name]
 
-    out["model.embed_tokens.weight"] = take("embedding.word_embeddings.weight")[: arch.vocab_size]
+    out["model.embed_tokens.weight"] = layout.strip_vocab_rows(
+        take("embedding.word_embeddings.weight"), arch.vocab_size)
     if not arch.tie_word_embeddings:
-        out["lm_head.weight"] = take("output_layer.weight")[: arch.vocab_size]
+        out["lm_head.weight"] = layout.strip_vocab_rows(take("output_layer.weight"),
+                                                 arch.vocab_size)
     out["model.norm.weight"] = take("decoder.final_layernorm.weight")
     for i in range(arch.num_layers):
         m, p = f"decoder.layers.{i}.", f"model.layers.{i}."
@@ -123,7 +96,7 @@ def hf_tensors_from_megatron(
             out[f"{p}self_attn.k_proj.{kind}"] = k
             out[f"{p}self_attn.v_proj.{kind}"] = v
         for kind in ["weight"] + (["bias"] if arch.linear_bias else []):
-            gate, up = torch.chunk(take(f"{m}mlp.linear_fc1.{kind}"), 2, dim=0)
+            gate, up = layout.split_gate_up(take(f"{m}mlp.linear_fc1.{kind}"))
             out[f"{p}mlp.gate_proj.{kind}"] = gate
             out[f"{p}mlp.up_proj.{kind}"] = up
     unused = sorted(set(full) - used)
