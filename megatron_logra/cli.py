@@ -40,8 +40,14 @@ def _train(args: argparse.Namespace) -> int:
         # The world torchrun announces (1 for a plain launch). Read here, not through the
         # process-group module: a refusal must not wait for Megatron to import.
         cfg = cfg.resolved(int(os.environ.get("WORLD_SIZE", "1")), args.command)
+        if args.command == "rl":
+            from megatron_logra.rollout.factory import check_engine_setup
+
+            check_engine_setup(cfg)  # a vLLM venv that cannot run, before any rank builds
     except ValueError as error:
-        print(f"megatron-logra: configuration error: {error}", file=sys.stderr)
+        # Every rank finds the same error; one message per node (not one per rank) says it.
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            print(f"megatron-logra: configuration error: {error}", file=sys.stderr)
         return 2
     from megatron_logra.train.supervised import train
 

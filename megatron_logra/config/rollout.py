@@ -30,6 +30,9 @@ class RolloutConfig:
     request_timeout_s: float = 600.0
     """One request to a separate engine (a generate, a sync record) that takes longer is an
     error naming the request: never a hang."""
+    vllm_venv: str = ""
+    """The venv vLLM runs in (rollout.engine=vllm); empty: this checkout's ``.venv-vllm``, which
+    ``make setup-vllm`` builds. Checked before any rank starts."""
 
     def validate(self, path: str = "rollout") -> None:
         check_choice(f"{path}.placement", self.placement, PLACEMENTS)
@@ -39,6 +42,9 @@ class RolloutConfig:
                              "tensor-parallel size)")
         check_positive(f"{path}.start_timeout_s", self.start_timeout_s)
         check_positive(f"{path}.request_timeout_s", self.request_timeout_s)
+        if not isinstance(self.vllm_venv, str):
+            raise ValueError(f"{path}.vllm_venv={self.vllm_venv!r} must be a directory path "
+                             "(empty: the checkout's .venv-vllm)")
 
     @property
     def separate(self) -> bool:

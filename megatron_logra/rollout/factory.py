@@ -11,6 +11,7 @@ from pathlib import Path
 
 from megatron_logra.config import Config
 from megatron_logra.rollout.engine import GenerationEngine
+from megatron_logra.rollout.vllm_setup import DEFAULT_VLLM_VENV, vllm_setup_problem
 
 VLLM_CLIENT_MODULE = "megatron_logra.rollout.vllm_engine"
 
@@ -29,11 +30,26 @@ def vllm_checkpoint_dir(cfg: Config) -> Path:
 _VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
+def vllm_venv(cfg: Config) -> Path:
+    """The venv the vLLM engine runs in (``rollout.vllm_venv``)."""
+    return Path(cfg.rollout.vllm_venv) if cfg.rollout.vllm_venv else DEFAULT_VLLM_VENV
+
+
+def check_engine_setup(cfg: Config) -> None:
+    """Refuse, before any rank starts, a separate engine whose installation cannot run:
+    ValueError naming the field, the value and the fix."""
+    if not cfg.rollout.separate or cfg.rollout.engine != "vllm":
+        return  # the Megatron engine runs from this venv, as the trainer does
+    problem = vllm_setup_problem(vllm_venv(cfg), f"rollout.vllm_venv={cfg.rollout.vllm_venv!r}")
+    if problem is not None:
+        raise ValueError(f"rollout.engine=vllm: {problem}")
+
+
 def _vllm_engine(module, cfg: Config, target_names: Sequence[str]) -> GenerationEngine:
     return module.VLLMEngine(
         vllm_checkpoint_dir(cfg), target_names=target_names, tensor_parallel=cfg.rollout.tp,
         dtype=_VLLM_DTYPES[cfg.model.params_dtype], max_model_len=cfg.model.seq_length,
-        seed=cfg.rl.seed, log_path=engine_dir(cfg) / "vllm.log",
+        seed=cfg.rl.seed, venv=vllm_venv(cfg), log_path=engine_dir(cfg) / "vllm.log",
         start_timeout_s=cfg.rollout.start_timeout_s,
         request_timeout_s=cfg.rollout.request_timeout_s)
 
