@@ -1,7 +1,13 @@
 """The RL job with a separate rollout engine (the built-in Megatron sampler in its own processes,
-engine TP=1) under a TP=2 trainer, kept in step by low-rank policy sync.
+engine TP=2) under a data-parallel trainer (DP=2, TP=1), kept in step by low-rank policy sync.
 
-One torchrun job of two trainer processes (plus the engine's own process) runs
+The engine's layout differs from the trainer's in both directions: its TP ranks hold row and
+column shards of weights each trainer rank holds whole, and the trainer's DP replicas send the
+same records (deduplicated). Trainer TP=2 pieces (column-parallel rows, fc1's [gate_t; up_t],
+row-parallel column slices) into one engine are tested by tests/distributed/test_sync_replay.py
+and by the TP=2 trainer -> vLLM TP=1 RL run of tests/distributed/test_vllm_sync.py.
+
+One torchrun job of two trainer processes (plus the engine's own two processes) runs
 ``tests/distributed/workers/separate_engine_worker.py``: library-mode LoGRA with weight decay,
 so every kind of record travels (column-parallel rows, fc1's [gate; up] blocks, row-parallel
 column slices, Adam-trained non-targets dense), 3 RL steps with a checksum comparison after
@@ -19,9 +25,11 @@ from tests.torchrun import WORKERS, run_torchrun
 pytestmark = pytest.mark.distributed
 
 NUM_STEPS = 3
-# The engine (TP=1) and the trainer (TP=2) sum the row-parallel layers' partial products in a
+TRAINER_TP, ENGINE_TP = 1, 2
+# The engine (TP=2) and the trainer (TP=1) sum the row-parallel layers' partial products in a
 # different order, so their fp32 logits differ by rounding (measured: 4.8e-7 in the log-probs
-# after 3 steps). 20x that, and still 1000x below a step's policy change.
+# after 3 steps with the layouts swapped, trainer TP=2 / engine TP=1). 20x that, and still
+# 1000x below a step's policy change.
 LOGPROB_TP_TOLERANCE = 1e-5
 
 
@@ -30,7 +38,7 @@ def engine_run(synthetic_data_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("separate_engine")
     run_torchrun(2, [str(WORKERS / "separate_engine_worker.py"), "--out", str(out),
                      "--data", str(synthetic_data_dir), "--steps", str(NUM_STEPS),
-                     "--engine-tp", "1"])
+                     "--trainer-tp", str(TRAINER_TP), "--engine-tp", str(ENGINE_TP)])
     return json.loads((out / "result.json").read_text())
 
 
@@ -44,7 +52,7 @@ def test_separate_engines_first_rollout_equals_the_colocated_samplers(engine_run
     _assert_rollouts_agree(engine_run["first_rollout"])
 
 
-def test_engine_serves_the_tp2_trainers_weights_bit_for_bit_after_3_low_rank_synced_steps(
+def test_tp2_engine_serves_the_dp2_trainers_weights_bit_for_bit_after_3_low_rank_synced_steps(
         engine_run):
     steps = engine_run["steps"]
     assert len(steps) == NUM_STEPS

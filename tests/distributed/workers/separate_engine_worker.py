@@ -1,5 +1,5 @@
 """The RL job with its rollout engine in separate processes, kept in step by low-rank sync (run
-with torchrun, 2 processes: trainer TP=2).
+with torchrun, 2 processes: the trainer at TP=``--trainer-tp``, data parallel over the rest).
 
 Builds the real RL job (tiny GPT, library-mode LoGRA with weight decay, so Adam-trained
 non-targets ship dense) with ``rollout.placement=separate`` and the Megatron engine at
@@ -40,14 +40,15 @@ from tests.presets import SWIGLU_RMSNORM_NO_BIAS, tiny_gpt
 from tests.torchrun import REPO
 
 RL_CONFIG = REPO / "configs" / "demo_rl_cpu.yaml"
-# One element of a row-parallel target (TP rank 0's column slice) is nudged by one ulp.
+# One element of a row-parallel target (TP rank 0's column slice; every DP replica alike) is
+# nudged by one ulp.
 PERTURBED = "decoder.layers.0.mlp.linear_fc2.weight"
 TIMES = ("step_time_s", "rollout_time_s", "update_time_s")
 
 
 def cfg_for(args, world: int):
     overrides = [
-        f"parallel.tp={world}", *tiny_gpt(), *SWIGLU_RMSNORM_NO_BIAS, "train.micro_batch_size=4",
+        f"parallel.tp={args.trainer_tp}", *tiny_gpt(), *SWIGLU_RMSNORM_NO_BIAS, "train.micro_batch_size=4",
         f"train.steps={args.steps + 1}", "rl.prompts_per_step=4", "rl.samples_per_prompt=2",
         "rl.sampling.max_new_tokens=4", "rl.eval.prompts=2", "rl.eval.interval=0",
         "logra.mode=library", "optimizer.lr=3e-3", "optimizer.weight_decay=0.1",
@@ -149,6 +150,7 @@ def measure(args, cfg, groups):
 def add_arguments(parser) -> None:
     parser.add_argument("--data", required=True)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--trainer-tp", type=int, default=2)
     parser.add_argument("--engine-tp", type=int, default=1)
 
 
