@@ -2,10 +2,12 @@
 
 Per-step LoGRA updates are ~1e-4 of a weight, below bf16 resolution, so an engine that merged
 them into bf16 weights would lose them (measured on a 1024² weight at r = 16 and 1e-4 relative
-updates: 44% of the entries differ from the trainer's bf16 weight after 325 steps). The shadow keeps an fp32 copy of every target weight -- the trainer's master, bit for
-bit -- replays each update with the trainer's own merge function
-(:func:`megatron_logra.sketch.apply_low_rank_update_`) on blocks of the trainer's shapes, and
-casts the served weights from it, so the served weights equal the trainer's.
+updates: 44% of the entries differ from the trainer's bf16 weight after 325 steps). The shadow
+keeps an fp32 copy of every target weight -- the trainer's master, bit for bit -- replays each
+update with the trainer's own merge function (:func:`megatron_logra.sketch.apply_low_rank_update_`)
+on blocks of the trainer's shapes, and casts the served weights from it, so the served weights
+equal the trainer's. An engine rank may keep only its TP shard of each tensor
+(:class:`~megatron_logra.sync.shard.TensorShard`): 1/TP of the bytes, the same bits.
 
 Rules: a full sync (:class:`FullSyncBucket` s) comes first and resets every count; a target's
 low-rank updates must arrive as 1, 2, 3, ... after it (a gap or a repeat raises, naming the
@@ -17,7 +19,7 @@ Shape suffixes: O = rows, I = input columns, R = sketch rank.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -33,6 +35,7 @@ from megatron_logra.sync.records import (
     LowRankUpdate,
     SyncRecord,
 )
+from megatron_logra.sync.shard import TensorShard, whole
 
 
 def regenerate_projection(update: LowRankUpdate, col_start: int, col_end: int) -> torch.Tensor:
@@ -44,22 +47,49 @@ def regenerate_projection(update: LowRankUpdate, col_start: int, col_end: int) -
     return proj_RI if rounding == torch.float32 else proj_RI.to(rounding).float()
 
 
-def _merge_piece_(master_OI: torch.Tensor, piece: FactorPiece, proj_RI: torch.Tensor,
-                  *, lr: float, weight_decay: float) -> None:
-    """One trainer merge call, replayed on a block of the same shape (so: the same rounding)."""
-    rows, cols = master_OI.shape
+def _merge_piece_(master_OI: torch.Tensor, shard: TensorShard, full_shape: tuple[int, int],
+                  update: LowRankUpdate, piece: FactorPiece) -> None:
+    """One trainer merge call, replayed on a block of the same shape (so: the same rounding),
+    on the part of the piece this shard holds.
+
+    * The piece lies inside the shard (every row and column of it): its block is gathered from
+      the shard and merged with the piece's own columns of A only.
+    * The shard holds part of the piece (the engine's TP cuts the trainer's block): the merge
+      runs at the piece's full shape on a scratch block holding the shard's entries (zeros
+      elsewhere), and the shard keeps its entries. A GEMM computes each output entry from its
+      own row of F, column of A and entry of W, so at the same shape the kept entries get the
+      trainer's bits whatever the other entries hold; a merge at the sub-block's own shape may
+      not (CPU BLAS picks kernels by shape: 8-column slices of a 96 x 64 merge differed in 432
+      of 768 entries). The scratch block is transient: one piece, not the shadow.
+    """
+    lr, wd = update.lr, update.weight_decay
     factor_OR = piece.factor_OR.float()
-    if piece.row_ranges == ((0, rows),) and (piece.col_start, piece.col_end) == (0, cols):
-        apply_low_rank_update_(master_OI, factor_OR, proj_RI, lr=lr, weight_decay=weight_decay)
+    s_lo, s_hi = shard.columns(full_shape[1])
+    c_lo, c_hi = max(piece.col_start, s_lo), min(piece.col_end, s_hi)
+    if c_lo >= c_hi:
+        return  # none of the piece's columns are here
+    local = shard.local_rows(full_shape[0])[
+        torch.cat([torch.arange(lo, hi) for lo, hi in piece.row_ranges])]
+    held = local >= 0
+    if not bool(held.any()):
         return
-    block_OI = torch.cat(
-        [master_OI[lo:hi, piece.col_start : piece.col_end] for lo, hi in piece.row_ranges]
-    ).contiguous()
-    apply_low_rank_update_(block_OI, factor_OR, proj_RI, lr=lr, weight_decay=weight_decay)
-    start = 0
-    for lo, hi in piece.row_ranges:
-        master_OI[lo:hi, piece.col_start : piece.col_end] = block_OI[start : start + hi - lo]
-        start += hi - lo
+    cols = slice(c_lo - s_lo, c_hi - s_lo)
+    proj_RI = regenerate_projection(update, piece.col_start, piece.col_end)
+    inside = bool(held.all()) and (c_lo, c_hi) == (piece.col_start, piece.col_end)
+    if inside and torch.equal(local, torch.arange(master_OI.shape[0])) and (
+            cols == slice(0, master_OI.shape[1])):
+        apply_low_rank_update_(master_OI, factor_OR, proj_RI, lr=lr, weight_decay=wd)
+        return
+    if inside:
+        block_OI = master_OI[local, cols].contiguous()
+        apply_low_rank_update_(block_OI, factor_OR, proj_RI, lr=lr, weight_decay=wd)
+        master_OI[local, cols] = block_OI
+        return
+    piece_cols = slice(c_lo - piece.col_start, c_hi - piece.col_start)
+    scratch_OI = torch.zeros(local.numel(), piece.col_end - piece.col_start)
+    scratch_OI[held, piece_cols] = master_OI[local[held], cols]
+    apply_low_rank_update_(scratch_OI, factor_OR, proj_RI, lr=lr, weight_decay=wd)
+    master_OI[local[held], cols] = scratch_OI[held, piece_cols]
 
 
 class EngineShadow:
@@ -68,15 +98,27 @@ class EngineShadow:
     Args:
         target_names: parameter names of the LoGRA targets (``<layer_key>.weight``).
         served_dtype: the dtype the engine computes with (the trainer's parameter dtype).
+        shards: the part of each named tensor this engine rank keeps (its TP shard); a name
+            without one is kept whole. Records still address the full (TP=1) tensors: the
+            shadow slices what arrives and replays only the merges that touch its shard.
     """
 
-    def __init__(self, target_names: Iterable[str], *, served_dtype: torch.dtype) -> None:
+    def __init__(self, target_names: Iterable[str], *, served_dtype: torch.dtype,
+                 shards: Mapping[str, TensorShard] | None = None) -> None:
         self.target_names = frozenset(target_names)
         self.served_dtype = served_dtype
+        self.shards: dict[str, TensorShard] = dict(shards or {})
         self.masters: dict[str, torch.Tensor] = {}
         self.served: dict[str, torch.Tensor] = {}
+        """Per name, the served tensor of this rank's shard (the full tensor without one)."""
+        self.full_shapes: dict[str, tuple[int, ...]] = {}
         self.counts: dict[str, int] = {}
         self._pending: list[FullSyncBucket] = []
+
+    def shard_of(self, name: str, full_shape: tuple[int, ...]) -> TensorShard:
+        shard = self.shards.get(name) or whole(full_shape)
+        shard.check(full_shape, name)
+        return shard
 
     # ------------------------------------------------------------------ records
 
@@ -112,19 +154,24 @@ class EngineShadow:
         missing = sorted(self.target_names - tensors.keys())
         if missing:
             raise RuntimeError(f"full sync lacks target weights {missing[:4]}")
-        masters, served = {}, {}
+        unknown = sorted(self.shards.keys() - tensors.keys())
+        if unknown:
+            raise RuntimeError(f"full sync lacks weights the engine shards: {unknown[:4]}")
+        masters, served, shapes = {}, {}, {}
         for name, tensor in tensors.items():
+            shapes[name] = tuple(tensor.shape)
+            part = self.shard_of(name, shapes[name]).take(tensor)
             if name in self.target_names:
                 if tensor.dtype != torch.float32:
                     raise RuntimeError(
                         f"full sync sent {name} as {tensor.dtype}; targets travel as their fp32 "
                         "master (the shadow must start from the exact state)"
                     )
-                masters[name] = tensor.clone()
+                masters[name] = part
                 served[name] = self._cast(masters[name])
             else:
-                served[name] = tensor.to(self.served_dtype).clone()
-        self.masters, self.served = masters, served
+                served[name] = part.to(self.served_dtype)
+        self.masters, self.served, self.full_shapes = masters, served, shapes
         self.counts = dict.fromkeys(tensors, bucket.update_count)
 
     def apply_low_rank(self, update: LowRankUpdate) -> None:
@@ -141,21 +188,20 @@ class EngineShadow:
                 f"{update.update_count} ({'repeated' if update.update_count < expected else 'a gap'}"
                 "); request a full sync"
             )
-        master_OI = self.masters[name]
-        if master_OI.shape[1] != update.in_features:
-            raise RuntimeError(f"{update.layer_key}: shadow has {master_OI.shape[1]} input "
+        master_OI, full_shape = self.masters[name], self.full_shapes[name]
+        if full_shape[1] != update.in_features:
+            raise RuntimeError(f"{update.layer_key}: shadow has {full_shape[1]} input "
                                f"columns, the update {update.in_features}")
         for piece in update.pieces:  # check all before changing anything
-            self._check_piece(update, piece, master_OI.shape)
+            self._check_piece(update, piece, full_shape)
+        shard = self.shard_of(name, full_shape)
         for piece in update.pieces:
-            proj_RI = regenerate_projection(update, piece.col_start, piece.col_end)
-            _merge_piece_(master_OI, piece, proj_RI, lr=update.lr,
-                          weight_decay=update.weight_decay)
+            _merge_piece_(master_OI, shard, full_shape, update, piece)
         self.served[name] = self._cast(master_OI)
         self.counts[name] = expected
 
     @staticmethod
-    def _check_piece(update: LowRankUpdate, piece: FactorPiece, shape: torch.Size) -> None:
+    def _check_piece(update: LowRankUpdate, piece: FactorPiece, shape: tuple[int, ...]) -> None:
         rows, cols = shape
         inside = all(0 <= lo < hi <= rows for lo, hi in piece.row_ranges)
         if not inside or not 0 <= piece.col_start < piece.col_end <= cols:
@@ -178,11 +224,11 @@ class EngineShadow:
                 f"refusing dense update of {update.name}: got update_count "
                 f"{update.update_count}, it already holds update {last}"
             )
-        served = self.served[update.name]
-        if update.value.shape != served.shape:
+        full_shape = self.full_shapes[update.name]
+        if tuple(update.value.shape) != full_shape:
             raise RuntimeError(f"dense update of {update.name} has shape "
-                               f"{tuple(update.value.shape)}, the engine {tuple(served.shape)}")
-        served.copy_(update.value)
+                               f"{tuple(update.value.shape)}, the engine {full_shape}")
+        self.served[update.name].copy_(self.shard_of(update.name, full_shape).take(update.value))
         self.counts[update.name] = update.update_count
 
     # ------------------------------------------------------------------ served state
@@ -195,6 +241,12 @@ class EngineShadow:
             # cast does not); a cast would differ from the trainer's weight at every exact tie.
             return round_to_bf16(master_OI)
         return master_OI.to(self.served_dtype)
+
+    def nbytes(self) -> int:
+        """Bytes the shadow holds: the fp32 masters and every served tensor that is not one."""
+        masters = {id(t) for t in self.masters.values()}
+        return (sum(t.nbytes for t in self.masters.values())
+                + sum(t.nbytes for t in self.served.values() if id(t) not in masters))
 
     def checksums(self) -> dict[str, str]:
         """Digests of the served weights (:func:`megatron_logra.sync.checksum.weight_checksum`)."""

@@ -2,12 +2,13 @@
 
 Started by :class:`megatron_logra.rollout.megatron_engine.MegatronEngine` (never by hand), one
 process per engine TP rank, in a world of their own. Each rank builds the trainer's GPT at the
-engine's layout and keeps an :class:`~megatron_logra.sync.shadow.EngineShadow` of the *full*
-(TP=1) weights: every rank replays every record on blocks of the trainer's shapes, which is
-what makes the shadow exact for any engine TP (docs/sync.md, "What is exact"), and copies its
-own shard of each changed served weight into the model it samples with. Rank 0 serves the
-trainer's connection and broadcasts each request to the other ranks, so every rank executes
-every request in the same order. A request that fails on the engine is answered with the
+engine's layout and keeps an :class:`~megatron_logra.sync.shadow.EngineShadow` of its own TP
+shard of every weight (Megatron's slicing, :func:`~megatron_logra.sync.shard.megatron_tp_shard`):
+the records address the full (TP=1) tensors, and the shadow replays each merge that touches its
+shard on a block of the trainer's shape, which keeps it exact for any engine TP (docs/sync.md,
+"What is exact"); it copies each changed served shard into the model it samples with. Rank 0
+serves the trainer's connection and broadcasts each request to the other ranks, so every rank
+executes every request in the same order. A request that fails on the engine is answered with the
 error (every rank raises the same one, all execute the same code on the same inputs) and the
 engine keeps serving; a refused sync record changes nothing.
 
@@ -33,10 +34,10 @@ from megatron_logra.data.run_tokenizer import embedding_rows, load_run_tokenizer
 from megatron_logra.mcore.inference.sampler import MegatronSampler
 from megatron_logra.mcore.models.gpt import build_model_chunks
 from megatron_logra.mcore.models.sharding import (
+    full_shape,
     gather_full,
     global_named_parameters,
     partition_of,
-    shard_from_full,
 )
 from megatron_logra.mcore.models.sync_state import target_param_names
 from megatron_logra.mcore.process_groups import destroy_parallel, init_parallel
@@ -45,6 +46,7 @@ from megatron_logra.rollout.megatron_engine import AUTHKEY_ENV, ENGINE_PROTOCOL
 from megatron_logra.sync.checksum import weight_checksum
 from megatron_logra.sync.records import DenseUpdate, FullSyncBucket, LowRankUpdate
 from megatron_logra.sync.shadow import EngineShadow
+from megatron_logra.sync.shard import megatron_tp_shard
 from megatron_logra.sync.wire import decode
 
 logger = logging.getLogger(__name__)
@@ -53,7 +55,7 @@ _PARAMS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 class EngineRank:
-    """One engine rank: its model shard, the sampler on it, the full shadow."""
+    """One engine rank: its model shard, the sampler on it, the shadow of its shard."""
 
     def __init__(self, cfg, groups) -> None:
         self.groups = groups
@@ -67,7 +69,12 @@ class EngineRank:
         missing = sorted(set(targets) - self.params.keys())
         if missing:
             raise RuntimeError(f"the engine's model has no parameters {missing[:4]}")
-        self.shadow = EngineShadow(targets, served_dtype=_PARAMS_DTYPES[cfg.model.params_dtype])
+        tp_rank, tp_size = groups.tp_rank, groups.tp_size
+        shards = {name: megatron_tp_shard(full_shape(param, tp_size), *partition_of(param),
+                                          tp_rank, tp_size)
+                  for name, param in self.params.items()}
+        self.shadow = EngineShadow(targets, served_dtype=_PARAMS_DTYPES[cfg.model.params_dtype],
+                                   shards=shards)
         self._full_names: set[str] = set()  # names of the full sync in progress
 
     def handle(self, op: str, body: Any) -> Any:
@@ -122,11 +129,7 @@ class EngineRank:
             raise RuntimeError(f"not a sync record: {type(record).__name__}")
         with torch.no_grad():
             for name in changed:
-                param = self.params[name]
-                dim, stride = partition_of(param)
-                full = self.shadow.served[name]
-                param.copy_(shard_from_full(full, dim, stride, self.groups.tp_rank,
-                                            self.groups.tp_size))
+                self.params[name].copy_(self.shadow.served[name])  # this rank's shard
         return {"update_count": getattr(record, "update_count", None)}
 
 
