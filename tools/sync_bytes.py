@@ -6,7 +6,10 @@ For each config: the model's shape (as our trainer builds it), its ``logra.sketc
 and fp32 on the wire; paper mode (non-targets frozen: only the factors ship) and library mode
 (Adam-trained embeddings, norms and biases ship dense too), against a full sync of every
 weight. Payload bytes from :func:`megatron_logra.sync.sizes.sync_bytes` (headers add a few hundred
-bytes per record). No torch needed.
+bytes per record). Then the engine's shadow of the targets per engine rank
+(:func:`megatron_logra.sync.sizes.engine_shadow_bytes`): each rank keeps the fp32 masters of its
+own TP shard (and, serving bf16, their bf16 cast), at the engine TP sizes that divide the
+query groups. No torch needed.
 """
 
 from __future__ import annotations
@@ -17,9 +20,10 @@ from pathlib import Path
 
 from megatron_logra.config import load_config
 from megatron_logra.memory.shapes import shape_from_model_config
-from megatron_logra.sync.sizes import model_sync_bytes
+from megatron_logra.sync.sizes import engine_shadow_bytes, model_sync_bytes
 
 GB = 1e9
+ENGINE_TPS = (1, 2, 4, 8)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,6 +52,17 @@ def main(argv: list[str] | None = None) -> int:
                 f"{full / library['low_rank_total']:.1f}",
             )
             lines.append("| " + " | ".join(row) + " |")
+    header = ("config", "engine TP", "fp32 masters per rank", "with bf16 served copy")
+    lines += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for path in args.configs:
+        cfg = load_config(path, [])
+        shape = shape_from_model_config(cfg.model, vocab_size=cfg.model.vocab_size,
+                                        name=path.stem)
+        for tp in (t for t in ENGINE_TPS if shape.num_query_groups % t == 0):
+            fp32 = engine_shadow_bytes(shape, engine_tp=tp, served_dtype="fp32")
+            bf16 = engine_shadow_bytes(shape, engine_tp=tp, served_dtype="bf16")
+            lines.append(f"| {path.stem} | {tp} | {fp32['total'] / GB:.2f} GB | "
+                         f"{bf16['total'] / GB:.2f} GB |")
     sys.stdout.write("\n".join(lines) + "\n")
     return 0
 

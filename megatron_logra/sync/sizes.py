@@ -39,3 +39,17 @@ def model_sync_bytes(
         "low_rank_total": low_rank + shipped_non_targets,
         "full_total": dense_targets + non_targets,
     }
+
+
+def engine_shadow_bytes(model: ModelShape, *, engine_tp: int, served_dtype: str) -> dict[str, int]:
+    """Bytes one engine rank's shadow holds for the targets when it keeps only its TP shard of
+    them: their fp32 masters over ``engine_tp``, and (an engine serving bf16) the served cast of
+    that shard beside them; an fp32 engine serves the masters themselves. The non-targets are
+    what the engine serves anyway (its model's own shard, or vLLM's)."""
+    if engine_tp < 1 or model.num_query_groups % engine_tp:
+        raise ValueError(f"engine_tp={engine_tp} must be >= 1 and divide the model's "
+                         f"{model.num_query_groups} query groups (an engine shards whole groups)")
+    target_params = model.num_layers * sum(t.out_features * t.in_features for t in model.targets())
+    masters = 4 * target_params // engine_tp
+    served = 0 if served_dtype == "fp32" else WIRE_BYTES[served_dtype] * target_params // engine_tp
+    return {"masters": masters, "served_copy": served, "total": masters + served}

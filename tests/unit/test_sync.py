@@ -208,6 +208,11 @@ def test_sync_bytes_tool_reports_paper_and_library_ratios_for_the_7b_config():
     )
     bf16_row = next(line for line in result.stdout.splitlines() if "| bf16 |" in line)
     assert bf16_row.rstrip(" |").endswith("| 21.4 | 5.3")
+    # The engine's shadow per rank: the targets' fp32 masters (26.10 GB at TP=1) over the
+    # engine's TP size, plus their bf16 cast for a bf16 engine.
+    shadow_rows = [line for line in result.stdout.splitlines() if line.startswith("| qwen2.5-7b |")]
+    assert shadow_rows[0] == "| qwen2.5-7b | 1 | 26.10 GB | 39.15 GB |"
+    assert shadow_rows[2] == "| qwen2.5-7b | 4 | 6.53 GB | 9.79 GB |"
 
 
 def test_bf16_served_weights_round_exact_ties_as_the_trainer_masters_do():
