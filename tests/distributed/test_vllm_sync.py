@@ -9,7 +9,8 @@ than their trainer's:
   rollout.engine=vllm``): library mode, fp32, weight decay, a TP=2 trainer (column-parallel
   rows, fc1's [gate_t; up_t], row-parallel column slices; Adam's non-targets shipped dense) ->
   vLLM TP=1, started from the Hugging Face checkpoint the trainer writes, fully synced at start,
-  low-rank synced after every update and checked after every step;
+  low-rank synced after every update and checked after every step; then resumed from its
+  step-1 checkpoint with a new engine, continuing it exactly;
 * a trainer job (tests/distributed/workers/vllm_sync_worker.py, 2 processes, 4 LoGRA updates)
   in paper mode, bf16 weights with fp32 masters, DP=2, which writes the checkpoint and the
   stream of wire records it would send -> vLLM TP=2 (its own sharding), fed that stream here.
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import pickle
 
 import pytest
@@ -85,12 +87,68 @@ RL_OVERRIDES = [
 ]
 
 
+# The RL run saves a checkpoint after every step; the resumed run starts from step RESUME_AT's
+# (a copy) with a fresh vLLM engine and runs the remaining steps.
+RESUME_AT = 1
+CHECKPOINTED = ["checkpoint.interval=1"]
+
+
 @pytest.fixture(scope="module")
-def rl_run_with_tp1_vllm_engine(synthetic_data_dir, tmp_path_factory) -> list[dict]:
-    runs = CliRuns(tmp_path_factory.mktemp("vllm_rl"), "rl", REPO / "configs" / "demo_rl_cpu.yaml",
+def vllm_rl_runs(synthetic_data_dir, tmp_path_factory) -> CliRuns:
+    return CliRuns(tmp_path_factory.mktemp("vllm_rl"), "rl", REPO / "configs" / "demo_rl_cpu.yaml",
                    RL_OVERRIDES, synthetic_data_dir)
-    run = runs.run("tp2_fp32_trainer", 2)
+
+
+def _sync_steps(run) -> list[dict]:
     return [r for r in read_metrics(run / "metrics.jsonl") if "sync_bytes" in r]
+
+
+@pytest.fixture(scope="module")
+def rl_run_with_tp1_vllm_engine(vllm_rl_runs) -> list[dict]:
+    return _sync_steps(vllm_rl_runs.run("tp2_fp32_trainer", 2, CHECKPOINTED, checkpointed=True))
+
+
+@pytest.fixture(scope="module")
+def resumed_rl_run_with_tp1_vllm_engine(vllm_rl_runs, rl_run_with_tp1_vllm_engine) -> list[dict]:
+    run = vllm_rl_runs.forked("tp2_fp32_trainer_resumed", "tp2_fp32_trainer", RESUME_AT,
+                              (2, CHECKPOINTED))
+    return _sync_steps(run)
+
+
+# What a resumed step must repeat exactly: what the sampled tokens, the rewards and the counts
+# decide, and the full sync's size.
+RESUME_EXACT_KEYS = ("step", "logra_update_count", "tokens", "response_length", "reward",
+                     "reward_failed", "accuracy", "baseline", "sync_full_bytes",
+                     "sync_weights_match")
+# The rest of a step's computed metrics (loss, grad norm, KL, step size, log-prob gap) go
+# through vLLM's log-probs of the sampled tokens, which differ between two engine instances by
+# fp32 rounding: CPU vLLM forms its batches by timing, and a batch's shape changes its GEMMs'
+# sums. Measured between two runs of the same uninterrupted step: 7e-8 relative in the grad
+# norm, 1e-7 in the predicted KL. Bounds 100x that, relative; absolute for the near-zero
+# log-prob gaps, LOGPROB_TOL.
+RESUME_REL_TOL = 1e-5
+
+
+# Not compared: what is measured (times, rates, memory; the state bytes logged at the first step
+# of each invocation) and the low-rank bytes, whose record headers carry the step's lr as a
+# shortest-repr decimal, one character longer or shorter with its last digits.
+NOT_COMPARED = ("mem_bytes", "state_bytes", "host_state_bytes", "sync_bytes")
+
+
+def _computed(record: dict) -> dict:
+    return {k: v for k, v in record.items() if not k.endswith("_s") and k not in NOT_COMPARED}
+
+
+def _assert_continues(got: dict, want: dict) -> None:
+    got, want = _computed(got), _computed(want)
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        if key in RESUME_EXACT_KEYS or isinstance(value, bool) or not isinstance(
+                value, int | float):
+            assert got[key] == value, key
+        else:
+            assert math.isclose(got[key], value, rel_tol=RESUME_REL_TOL,
+                                abs_tol=LOGPROB_TOL["float32"]), (key, got[key], value)
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +178,28 @@ def test_rl_run_vllm_rollout_logprobs_at_temperature_agree_with_the_trainers_rec
     # of the step (measured 3.0e-8 and -1.8e-8).
     for r in rl_run_with_tp1_vllm_engine:
         assert abs(r["logprob_gap_all_tokens"]) <= LOGPROB_TOL["float32"]
+
+
+def test_resumed_rl_run_resyncs_a_fresh_vllm_engine_and_continues_the_uninterrupted_run(
+        rl_run_with_tp1_vllm_engine, resumed_rl_run_with_tp1_vllm_engine):
+    """Steps RESUME_AT+1.. in a new job from the step-RESUME_AT checkpoint, with a new vLLM
+    engine started from the Hugging Face checkpoint of the resumed policy.
+
+    The engine's shadow accepts a low-rank record only after a full sync and only as the next
+    count of its layer, so the resumed steps' accepted records and matching weights (checked
+    after every step, read back from vLLM's worker) show the full sync at the resume, carrying
+    the resumed update count. The layout is the uninterrupted run's (trainer TP=2, vLLM TP=1),
+    the trainer's resume is exact and vLLM, given the same weights bit for bit and the same
+    per-prompt seeds, samples the same tokens: so what the tokens and rewards decide repeats
+    exactly (RESUME_EXACT_KEYS). The rest goes through vLLM's log-probs, which are reproducible
+    between engine instances only to fp32 rounding (RESUME_REL_TOL); times and memory are
+    not compared."""
+    full, resumed = rl_run_with_tp1_vllm_engine, resumed_rl_run_with_tp1_vllm_engine
+    assert [r["step"] for r in resumed] == list(range(1, RL_STEPS + 1))
+    for want, got in zip(full[RESUME_AT:], resumed[RESUME_AT:], strict=True):
+        assert got["sync_weights_match"] is True
+        assert 0 < got["sync_bytes"] < got["sync_full_bytes"]
+        _assert_continues(got, want)
 
 
 def test_vllm_serves_the_trainers_weights_bit_for_bit_after_4_low_rank_updates(tp2_engine_of_dp2_bf16_trainer):
