@@ -3,12 +3,12 @@ of the policy and writes the weights it serves from it.
 
 The trainer's records address Megatron's full (TP=1) tensors, and the shadow replays each merge
 on a block of the trainer's own shape (:class:`megatron_logra.sync.shadow.EngineShadow`: the
-trainer's merge function, so the trainer's rounding). Each worker therefore keeps the full
-shadow of the targets -- tp x the memory of a sharded one, the price of exactness under any
-trainer layout (docs/sync.md, "Same block shapes") -- and loads the changed tensors through
-vLLM's own ``load_weights``, which cuts this rank's shard (:mod:`.layout`). vLLM calls these
-methods through ``collective_rpc``: records travel as wire bytes (tensor arguments would arrive
-as lists).
+trainer's merge function, so the trainer's rounding). Each worker keeps only its own TP shard of
+the targets (1/tp of their fp32 bytes; the shadow replays a merge it holds part of at the
+trainer's block shape) and writes a changed target shard straight into its vLLM parameter; the
+other tensors are kept whole and loaded through vLLM's own ``load_weights``, which cuts this
+rank's shard (:mod:`.layout`). vLLM calls these methods through ``collective_rpc``: records
+travel as wire bytes (tensor arguments would arrive as lists).
 """
 
 from __future__ import annotations
@@ -21,16 +21,38 @@ import torch
 from megatron_logra.sync.records import FullSyncBucket
 from megatron_logra.sync.shadow import EngineShadow
 from megatron_logra.sync.wire import decode
-from megatron_logra_vllm.layout import ServedArch, hf_tensors
+from megatron_logra_vllm.layout import (
+    ServedArch,
+    hf_tensors,
+    target_tp_shard,
+    vllm_target_param,
+    vllm_target_shard,
+)
 
 
 class LowRankSyncExtension:
     """Mixed into vLLM's worker class; ``self`` is the worker (``self.model_runner``)."""
 
     def megatron_logra_init(self, target_names: list[str]) -> str:
+        from vllm.distributed import (
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+        )
+
         model_config = self.model_runner.model_config
-        self._logra_arch = ServedArch.from_hf_config(model_config.hf_config)
-        self._logra_shadow = EngineShadow(target_names, served_dtype=model_config.dtype)
+        arch = ServedArch.from_hf_config(model_config.hf_config)
+        tp_rank, tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+        params = dict(self.model_runner.model.named_parameters())
+        shards, self._logra_targets = {}, {}
+        for name in target_names:
+            param = vllm_target_param(name)
+            if param not in params:
+                raise RuntimeError(f"vLLM's model has no parameter {param} for target {name}")
+            shards[name] = target_tp_shard(name, params[param].shape, tp_rank, tp_size, arch)
+            self._logra_targets[name] = params[param]
+        self._logra_arch, self._logra_tp = arch, tp_size
+        self._logra_shadow = EngineShadow(target_names, served_dtype=model_config.dtype,
+                                          shards=shards)
         return str(model_config.dtype)
 
     def megatron_logra_apply(self, payload: bytes) -> tuple[str, list[str] | str]:
@@ -60,9 +82,15 @@ class LowRankSyncExtension:
 
     def _load(self, names: list[str]) -> None:
         shadow, arch = self._logra_shadow, self._logra_arch
-        tensors = [pair for name in names for pair in hf_tensors(name, shadow.served[name], arch)]
+        tensors = [pair for name in names if name not in self._logra_targets
+                   for pair in hf_tensors(name, shadow.served[name], arch)]
         with torch.no_grad():
-            self.model_runner.model.load_weights(iter(tensors))
+            for name in names:
+                if name in self._logra_targets:  # this rank's shard, in vLLM's row order
+                    self._logra_targets[name].copy_(
+                        vllm_target_shard(name, shadow.served[name], arch, self._logra_tp))
+            if tensors:
+                self.model_runner.model.load_weights(iter(tensors))
 
     def megatron_logra_served(self) -> bytes:
         """This rank's parameters as vLLM serves them (safetensors bytes), for the weight check."""

@@ -16,7 +16,14 @@ from tests.torchrun import REPO
 
 sys.path.insert(0, str(REPO / "megatron_logra_vllm"))
 
-from megatron_logra_vllm.layout import ServedArch, hf_from_vllm_shards, hf_tensors  # noqa: E402
+from megatron_logra_vllm.layout import (  # noqa: E402
+    ServedArch,
+    hf_from_vllm_shards,
+    hf_tensors,
+    target_tp_shard,
+    vllm_target_param,
+    vllm_target_shard,
+)
 from megatron_logra_vllm.server import check_versions  # noqa: E402
 
 from megatron_logra.mcore.conversion import (  # noqa: E402
@@ -62,19 +69,17 @@ def test_plugin_layout_inverts_the_converters_hf_to_megatron_mapping():
         assert torch.equal(got[name], tensor), name
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_reassembly_of_vllm_tp_shards_inverts_vllms_sharding(tp):
-    """vLLM's sharding written out for one layer: rank t holds its query heads and its key /
+def _vllm_shards(hf: dict[str, torch.Tensor], tp: int) -> list[dict[str, torch.Tensor]]:
+    """vLLM's sharding written out for layer 0: rank t holds its query heads and its key /
     value heads stacked [q_t; k_t; v_t], [gate_t; up_t], column slices of o_proj / down_proj and
     a slice of the vocabulary padded to a multiple of 64 per rank."""
-    hf = hf_tensors_from_megatron(_megatron_full(), ARCH)
     p = "model.layers.0."
     padded = torch.cat([hf["model.embed_tokens.weight"], torch.zeros(PADDED_VOCAB - 50, 32)])
 
     def rows(t, r):
         return torch.chunk(t, tp)[r]
 
-    shards = [{
+    return [{
         f"{p}self_attn.qkv_proj.weight": torch.cat(
             [rows(hf[f"{p}self_attn.{x}_proj.weight"], r) for x in "qkv"]),
         f"{p}mlp.gate_up_proj.weight": torch.cat(
@@ -84,10 +89,34 @@ def test_reassembly_of_vllm_tp_shards_inverts_vllms_sharding(tp):
         "model.embed_tokens.weight": rows(padded, r),
         "model.norm.weight": hf["model.norm.weight"],
     } for r in range(tp)]
-    got = hf_from_vllm_shards(shards, SERVED)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_reassembly_of_vllm_tp_shards_inverts_vllms_sharding(tp):
+    hf = hf_tensors_from_megatron(_megatron_full(), ARCH)
+    got = hf_from_vllm_shards(_vllm_shards(hf, tp), SERVED)
     for name, tensor in got.items():
         assert torch.equal(tensor, hf[name]), name
     assert len(got) == 9  # q, k, v, gate, up, o, down, embeddings, norm
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_megatron_tp_shard_of_each_target_is_the_vllm_ranks_parameter_in_vllms_row_order(tp):
+    """What a worker's sharded shadow writes into its own parameter: Megatron's TP shard of the
+    full tensor (from the parameter's local shape), re-stacked, equals vLLM's shard of it."""
+    full = _megatron_full()
+    shards = _vllm_shards(hf_tensors_from_megatron(full, ARCH), tp)
+    targets = [f"decoder.layers.0.{s}.weight" for s in (
+        "self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
+        "mlp.linear_fc2")]
+    for rank in range(tp):
+        for name in targets:
+            param = shards[rank][vllm_target_param(name)]
+            shard = target_tp_shard(name, param.shape, rank, tp, SERVED)
+            assert torch.equal(vllm_target_shard(name, shard.take(full[name]), SERVED, tp),
+                               param), (rank, name)
+    with pytest.raises(ValueError, match="engine TP=4 replicates key/value heads"):
+        target_tp_shard(targets[0], (16, 32), 0, 4, SERVED)
 
 
 def test_engine_refuses_another_sync_protocol_or_vllm_version_naming_both():
