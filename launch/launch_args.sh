@@ -110,6 +110,18 @@ parse_launch_args() {
     fi
 }
 
+# Validates the run's configuration for a world of $1 processes (and, for rl with a vLLM engine,
+# the engine's venv) before torchrun starts any rank: a bad value exits with the CLI's status 2
+# and its one message, not with torchrun's 1 after a message per rank. Skipped by --dry-run,
+# which runs nothing.
+preflight_check() {
+    [[ ${DRY_RUN} -eq 1 ]] && return 0
+    local status=0
+    "${ENV_PREFIX[@]}" "${PYTHON_BIN}" -m megatron_logra check "--world-size=$1" \
+        "${TRAINER_ARGS[@]:2}" || status=$?
+    [[ ${status} -eq 0 ]] || exit "${status}"
+}
+
 # The directory in which each worker records that it saved a checkpoint after SIGTERM and
 # stopped cleanly (megatron_logra/train/preemption.py writes one file per rank).
 PREEMPTION_RECORD_ENV=MEGATRON_LOGRA_PREEMPTION_RECORD_DIR

@@ -31,7 +31,8 @@ rendezvous (explicit variables win over the ones derived from Slurm):
 environment:
   DEVICE, NPROC, PYTHON, OMP_NUM_THREADS as for torchrun_single_node.sh
 
-exit status: torchrun's; on SIGTERM (or SIGINT) the signal is forwarded and the status is 0 when
+exit status: 2 when the configuration is refused (`python -m megatron_logra check`, run before
+torchrun starts any rank: a bad value, or rl's vLLM venv unusable); otherwise torchrun's; on SIGTERM (or SIGINT) the signal is forwarded and the status is 0 when
 every worker on this node saved a checkpoint and stopped (torchrun alone would exit 1).
 EOF
 }
@@ -104,6 +105,7 @@ is_positive_int "${NNODES}" || usage_error "NNODES=${NNODES} must be a positive 
 [[ "${MASTER_PORT}" =~ ^[0-9]+$ && "${MASTER_PORT}" -ge 1 && "${MASTER_PORT}" -le 65535 ]] \
     || usage_error "MASTER_PORT=${MASTER_PORT} must be a port number in 1..65535"
 
+preflight_check "$(( NNODES * NPROC ))"
 # Static rendezvous: node ranks are fixed by the scheduler, so every node must agree on them and
 # on the master; torchrun then numbers global ranks node by node.
 run_or_print "${ENV_PREFIX[@]}" "${PYTHON_BIN}" -m torch.distributed.run \

@@ -25,7 +25,8 @@ environment:
   PYTHON           interpreter with megatron_logra installed (default: python on PATH)
   OMP_NUM_THREADS  threads per process on CPU (default: cores / processes)
 
-exit status: torchrun's; on SIGTERM (or SIGINT) the signal is forwarded and the status is 0 when
+exit status: 2 when the configuration is refused (`python -m megatron_logra check`, run before
+torchrun starts any rank: a bad value, or rl's vLLM venv unusable); otherwise torchrun's; on SIGTERM (or SIGINT) the signal is forwarded and the status is 0 when
 every worker on this node saved a checkpoint and stopped (torchrun alone would exit 1).
 EOF
 }
@@ -33,6 +34,7 @@ EOF
 source "$(dirname "${BASH_SOURCE[0]}")/launch_args.sh"
 parse_launch_args "$@"
 
+preflight_check "${NPROC}"
 # --standalone: a local rendezvous on a free port, so concurrent jobs on one machine never clash.
 run_or_print "${ENV_PREFIX[@]}" "${PYTHON_BIN}" -m torch.distributed.run --standalone \
     "--nproc_per_node=${NPROC}" "${TRAINER_ARGS[@]}"

@@ -1,4 +1,5 @@
-"""Command line: ``megatron-logra {train,sft,rl} CONFIG.yaml [section.key=value ...]``.
+"""Command line: ``megatron-logra {train,sft,rl} CONFIG.yaml [section.key=value ...]``, and
+``megatron-logra check --world-size N {train,sft,rl} CONFIG.yaml ...`` (validation only).
 
 Launch several processes with torchrun::
 
@@ -34,21 +35,41 @@ def _configure_logging() -> None:
         warnings.filterwarnings("ignore", message=pattern)
 
 
+def _checked_config(command: str, config: str, overrides: list[str], world_size: int):
+    """The resolved config of a ``command`` run at ``world_size``, and for ``rl`` the separate
+    engine's installation checked: ValueError naming the field, the value and the fix."""
+    cfg = load_config(config, overrides, command=command).resolved(world_size, command)
+    if command == "rl":
+        from megatron_logra.rollout.factory import check_engine_setup
+
+        check_engine_setup(cfg)  # a vLLM venv that cannot run, before any rank builds
+    return cfg
+
+
+def _configuration_error(error: ValueError) -> int:
+    # Every rank finds the same error; one message per node (not one per rank) says it.
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        print(f"megatron-logra: configuration error: {error}", file=sys.stderr)
+    return 2
+
+
+def _check(args: argparse.Namespace) -> int:
+    """What the launch scripts run before torchrun starts any rank."""
+    try:
+        _checked_config(args.run_command, args.config, args.overrides, args.world_size)
+    except ValueError as error:
+        return _configuration_error(error)
+    return 0
+
+
 def _train(args: argparse.Namespace) -> int:
     try:
-        cfg = load_config(args.config, args.overrides, command=args.command)
         # The world torchrun announces (1 for a plain launch). Read here, not through the
         # process-group module: a refusal must not wait for Megatron to import.
-        cfg = cfg.resolved(int(os.environ.get("WORLD_SIZE", "1")), args.command)
-        if args.command == "rl":
-            from megatron_logra.rollout.factory import check_engine_setup
-
-            check_engine_setup(cfg)  # a vLLM venv that cannot run, before any rank builds
+        cfg = _checked_config(args.command, args.config, args.overrides,
+                              int(os.environ.get("WORLD_SIZE", "1")))
     except ValueError as error:
-        # Every rank finds the same error; one message per node (not one per rank) says it.
-        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-            print(f"megatron-logra: configuration error: {error}", file=sys.stderr)
-        return 2
+        return _configuration_error(error)
     from megatron_logra.train.supervised import train
 
     try:
@@ -85,6 +106,16 @@ def main(argv: list[str] | None = None) -> int:
     rl_parser.add_argument("config", help="YAML config file")
     rl_parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
     rl_parser.set_defaults(handler=_train)
+    check_parser = commands.add_parser(
+        "check", help="validate a run's configuration (and a vLLM engine's venv) for a world "
+        "size without starting it: exit 0, or 2 with the error"
+    )
+    check_parser.add_argument("--world-size", type=int, required=True,
+                              help="processes the run will have (nodes x processes per node)")
+    check_parser.add_argument("run_command", choices=("train", "sft", "rl"))
+    check_parser.add_argument("config", help="YAML config file")
+    check_parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    check_parser.set_defaults(handler=_check)
     args = parser.parse_args(argv)
     _configure_logging()
     return args.handler(args)

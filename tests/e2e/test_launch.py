@@ -105,6 +105,41 @@ def test_single_node_script_refuses_bad_arguments_with_exit_code_2(args, message
     assert message in result.stderr, result.stderr
 
 
+RL_CONFIG = str(REPO / "configs" / "demo_rl_cpu.yaml")
+# The preflight check loads and resolves the config in one Python process that imports no torch
+# (measured 0.3 s); generous for a loaded CI machine.
+PREFLIGHT_WALL_S = 60
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["train", CONFIG, "optimizer.name=nope"], "optimizer.name='nope' is not valid"),
+        # Checked against the launch's world size (--nproc 2), not a single process's.
+        (["train", CONFIG, "parallel.tp=4"],
+         "world size 2 is not divisible by parallel.tp * parallel.pp = 4"),
+        (["rl", RL_CONFIG, "parallel.tp=1", "model.activation=swiglu",
+          "model.normalization=RMSNorm", "rollout.placement=separate", "rollout.engine=vllm",
+          "rollout.vllm_venv=no-such-venv"],
+         "rollout.engine=vllm: the vLLM venv no-such-venv (rollout.vllm_venv='no-such-venv') "
+         "does not exist: run `make setup-vllm`"),
+    ],
+    ids=["bad_value", "world_size", "no_vllm_venv"],
+)
+def test_single_node_script_refuses_a_bad_configuration_with_exit_code_2_before_any_rank(
+        args, message, tmp_path):
+    run_dir = tmp_path / "run"
+    result = subprocess.run(
+        ["bash", SINGLE_NODE, "--cpu", "--nproc", "2", *args, f"run.dir={run_dir}"], cwd=REPO,
+        env=_script_env(), capture_output=True, text=True, timeout=PREFLIGHT_WALL_S,
+    )
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count(f"megatron-logra: configuration error: {message}") == 1, \
+        result.stderr
+    # torchrun never ran: the script prints its command line only when it runs it.
+    assert "torch.distributed.run" not in result.stdout and not run_dir.exists()
+
+
 # ------------------------------------------------------------------- torchrun_multi_node.sh
 
 
