@@ -24,19 +24,19 @@ import subprocess
 import sys
 import tempfile
 import time
-from multiprocessing.connection import Client, Connection
+from multiprocessing.connection import Client
 from pathlib import Path
 from typing import Any
 
 from megatron_logra.config import Config
 from megatron_logra.rollout.engine import EngineResponse
+from megatron_logra.rollout.rpc import LIVENESS_POLL_S, EngineError, EngineProcesses, RpcClient
+
+__all__ = ["ENGINE_PROTOCOL", "EngineError", "MegatronEngine", "engine_config"]
 
 ENGINE_PROTOCOL = "megatron_logra.engine/1"
 """Both ends refuse to talk to another protocol version."""
 AUTHKEY_ENV = "MEGATRON_LOGRA_ENGINE_AUTHKEY"
-# How often the client looks at the engine processes while it waits for a reply (seconds).
-_LIVENESS_POLL_S = 0.5
-_LOG_TAIL_CHARS = 2000
 # A closed engine has this long to exit before it is killed.
 _EXIT_TIMEOUT_S = 30
 _LAUNCHER_VARIABLES = frozenset({"GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME",
@@ -64,10 +64,6 @@ def engine_config(cfg: Config) -> dict[str, Any]:
     return data
 
 
-class EngineError(RuntimeError):
-    """The rollout engine failed, refused a request or did not answer in time."""
-
-
 class MegatronEngine:
     """The client of the Megatron engine server; implements ``GenerationEngine``.
 
@@ -81,15 +77,15 @@ class MegatronEngine:
     def __init__(self, cfg: Config, log_dir: str | Path) -> None:
         self.cfg = cfg
         self.log_dir = Path(log_dir)
-        self._procs: list[subprocess.Popen] = []
-        self._conn: Connection | None = None
+        self._procs = EngineProcesses("rollout engine")
+        self._rpc: RpcClient | None = None
         self._tmp: tempfile.TemporaryDirectory | None = None
         self.info: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        if self._conn is not None:
+        if self._rpc is not None:
             return
         ro = self.cfg.rollout
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -109,16 +105,16 @@ class MegatronEngine:
                     del env[key]
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT,
                                                               env.get("PYTHONPATH")]))
-            log = open(self.log_dir / f"engine_rank{rank}.log", "w")
-            self._procs.append(subprocess.Popen(
-                [sys.executable, "-m", "megatron_logra.mcore.inference.engine_server",
-                 "--config", str(config_path), "--port", str(port)],
-                env=env, stdout=log, stderr=subprocess.STDOUT,
-            ))
-            log.close()
+            log_path = self.log_dir / f"engine_rank{rank}.log"
+            with open(log_path, "w") as log:
+                self._procs.add(f"rank {rank}", subprocess.Popen(
+                    [sys.executable, "-m", "megatron_logra.mcore.inference.engine_server",
+                     "--config", str(config_path), "--port", str(port)],
+                    env=env, stdout=log, stderr=subprocess.STDOUT,
+                ), log_path)
         deadline = time.monotonic() + ro.start_timeout_s
-        while self._conn is None:
-            self._check_alive("starting")
+        while self._rpc is None:
+            self._procs.check_alive("starting")
             if time.monotonic() > deadline:
                 self._shutdown(kill=True)
                 raise EngineError(
@@ -127,9 +123,12 @@ class MegatronEngine:
                     f"{self.log_dir}/engine_rank0.log"
                 )
             try:
-                self._conn = Client(("127.0.0.1", port), authkey=authkey)
+                conn = Client(("127.0.0.1", port), authkey=authkey)
             except (ConnectionRefusedError, FileNotFoundError):
-                time.sleep(_LIVENESS_POLL_S)
+                time.sleep(LIVENESS_POLL_S)
+                continue
+            self._rpc = RpcClient(self._procs, conn, conn,
+                                  timeout_knob="rollout.request_timeout_s")
         self.info = self._call("hello", {"protocol": ENGINE_PROTOCOL},
                                timeout_s=ro.start_timeout_s)
         if self.info.get("protocol") != ENGINE_PROTOCOL:
@@ -142,22 +141,15 @@ class MegatronEngine:
 
     def _shutdown(self, *, kill: bool) -> None:
         """Ask the engine to stop (or, once a rank died, kill the rest: they cannot finish)."""
-        if self._conn is not None:
-            try:
-                self._conn.send(("close", None))
-            except OSError:
-                pass
-            self._conn.close()
-            self._conn = None
-        for proc in self._procs:
-            if kill and proc.poll() is None:
-                proc.kill()
-            try:
-                proc.wait(timeout=_EXIT_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        self._procs = []
+        if self._rpc is not None:
+            if self._rpc.connected:
+                try:
+                    self._rpc.send("close", None)  # the engine exits without a reply
+                except EngineError:
+                    pass
+            self._rpc.disconnect()
+            self._rpc = None
+        self._procs.stop(kill=kill, timeout_s=_EXIT_TIMEOUT_S)
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
@@ -180,46 +172,8 @@ class MegatronEngine:
         return dict(self._call("checksums", None))
     # ------------------------------------------------------------------ transport
 
-    def _log_tail(self, rank: int) -> str:
-        path = self.log_dir / f"engine_rank{rank}.log"
-        text = path.read_text(errors="replace") if path.exists() else ""
-        return text[-_LOG_TAIL_CHARS:]
-
-    def _check_alive(self, doing: str) -> None:
-        for rank, proc in enumerate(self._procs):
-            code = proc.poll()
-            if code is not None:
-                tail = self._log_tail(rank)
-                self._conn = None
-                self._shutdown(kill=True)
-                raise EngineError(
-                    f"rollout engine rank {rank} exited with code {code} while {doing}; its "
-                    f"log ends:\n{tail}"
-                )
-
     def _call(self, op: str, body: Any, *, timeout_s: float | None = None) -> Any:
-        if self._conn is None:
+        if self._rpc is None:
             raise EngineError(f"rollout engine {op}: the engine is not running (call start())")
         timeout_s = self.cfg.rollout.request_timeout_s if timeout_s is None else timeout_s
-        try:
-            self._conn.send((op, body))
-        except OSError as error:
-            self._check_alive(f"sending {op}")
-            raise EngineError(f"rollout engine {op}: the connection broke ({error})") from error
-        deadline = time.monotonic() + timeout_s
-        while not self._conn.poll(_LIVENESS_POLL_S):
-            self._check_alive(f"serving {op}")
-            if time.monotonic() > deadline:
-                raise EngineError(
-                    f"rollout engine {op}: no reply within {timeout_s} s "
-                    "(rollout.request_timeout_s); raise it or see the engine logs in "
-                    f"{self.log_dir}"
-                )
-        try:
-            status, result = self._conn.recv()
-        except EOFError as error:
-            self._check_alive(f"serving {op}")
-            raise EngineError(f"rollout engine {op}: the connection closed") from error
-        if status != "ok":
-            raise EngineError(f"rollout engine refused {op}: {result}")
-        return result
+        return self._rpc.call(op, body, timeout_s=timeout_s)

@@ -11,13 +11,13 @@ failures into errors that name the cause. The engine protocol: ``start()``, ``ge
 from __future__ import annotations
 
 import os
-import pickle
 import subprocess
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from megatron_logra.rollout.rpc import EngineError, EngineProcesses, RpcClient
 from megatron_logra.sync.checksum import mismatched_weights
 from megatron_logra.sync.wire import PROTOCOL_VERSION
 
@@ -28,7 +28,6 @@ DEFAULT_VENV = REPO / ".venv-vllm"
 DEFAULT_START_TIMEOUT_S = 600.0
 # One request after start (a generate, a sync, a weight read) on the tiny and small models.
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
-_LOG_TAIL_CHARS = 4000
 
 
 class VLLMEngine:
@@ -63,7 +62,8 @@ class VLLMEngine:
         self.log_path = Path(log_path) if log_path else None
         self.start_timeout_s = start_timeout_s
         self.request_timeout_s = request_timeout_s
-        self._process: subprocess.Popen | None = None
+        self._procs = EngineProcesses("vLLM engine")
+        self._rpc: RpcClient | None = None
         self.info: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ process
@@ -71,10 +71,10 @@ class VLLMEngine:
     def start(self) -> None:
         python = self.venv / "bin" / "python"
         if not python.exists():
-            raise RuntimeError(f"the vLLM venv {self.venv} does not exist: run `make setup-vllm` "
+            raise EngineError(f"the vLLM venv {self.venv} does not exist: run `make setup-vllm` "
                                "(vLLM runs in its own venv, see docs/vllm.md)")
         if not (self.hf_dir / "config.json").exists():
-            raise RuntimeError(f"{self.hf_dir} holds no config.json: the engine needs a Hugging "
+            raise EngineError(f"{self.hf_dir} holds no config.json: the engine needs a Hugging "
                                "Face checkpoint (tools/convert_hf.py to-hf)")
         from multiprocessing.connection import Connection
 
@@ -95,32 +95,33 @@ class VLLMEngine:
                                                   for i in range(self.tensor_parallel)),
         })
         with open(self.log_path, "ab") as log:
-            self._process = subprocess.Popen(
+            self._procs.add("process", subprocess.Popen(
                 [str(python), "-m", "megatron_logra_vllm.server", "--fd-in", str(req_r),
                  "--fd-out", str(rep_w)],
                 pass_fds=(req_r, rep_w), stdout=log, stderr=subprocess.STDOUT, env=env,
-                cwd=str(REPO))
+                cwd=str(REPO)), self.log_path)
         os.close(req_r)
         os.close(rep_w)
-        self._requests = Connection(req_w, readable=False)
-        self._replies = Connection(rep_r, writable=False)
+        self._rpc = RpcClient(self._procs, Connection(req_w, readable=False),
+                              Connection(rep_r, writable=False),
+                              timeout_knob="rollout.request_timeout_s / rollout.start_timeout_s")
         self.info = self._call("start", self.start_timeout_s, protocol_version=PROTOCOL_VERSION,
                                hf_dir=str(self.hf_dir), tensor_parallel=self.tensor_parallel,
                                dtype=self.dtype, max_model_len=self.max_model_len,
                                seed=self.seed, target_names=self.target_names)
 
     def close(self) -> None:
-        if self._process is None:
+        if self._rpc is None:
             return
         try:
-            if self._process.poll() is None:
+            if self._rpc.connected:
                 self._call("close", 60.0)
-            self._process.wait(timeout=60)
-        except (RuntimeError, subprocess.TimeoutExpired):
-            self._process.kill()
-            self._process.wait()
+        except EngineError:
+            pass  # the engine is dead or stuck: it is killed below
         finally:
-            self._process = None
+            self._rpc.disconnect()
+            self._rpc = None
+            self._procs.stop(kill=False, timeout_s=60)
 
     def __enter__(self) -> VLLMEngine:
         self.start()
@@ -129,33 +130,10 @@ class VLLMEngine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _log_tail(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-_LOG_TAIL_CHARS:]
-        except OSError:
-            return ""
-
     def _call(self, method: str, timeout_s: float, **kwargs: Any) -> Any:
-        if self._process is None:
-            raise RuntimeError(f"vLLM engine not started: call start() before {method}()")
-        try:
-            self._requests.send_bytes(pickle.dumps((method, kwargs)))
-            ready = self._replies.poll(timeout_s)
-            status, value = pickle.loads(self._replies.recv_bytes()) if ready else (None, None)
-        except (EOFError, BrokenPipeError, ConnectionResetError):
-            status = value = None
-        if status == "ok":
-            return value
-        if status == "error":
-            raise RuntimeError(f"vLLM engine {method}() failed: {value} (log: {self.log_path})")
-        code = self._process.poll()
-        what = (f"exited with code {code}" if code is not None
-                else f"did not answer within {timeout_s:.0f} s")
-        if code is None:
-            self._process.kill()
-        self._process = None
-        raise RuntimeError(f"vLLM engine process {what} during {method}() (log: {self.log_path})"
-                           f":\n{self._log_tail()}")
+        if self._rpc is None:
+            raise EngineError(f"vLLM engine not started: call start() before {method}()")
+        return self._rpc.call(method, kwargs, timeout_s=timeout_s)
 
     # ------------------------------------------------------------------ protocol
 
@@ -185,5 +163,5 @@ class VLLMEngine:
         weights in the Hugging Face layout), naming the weights that differ."""
         differ = mismatched_weights(expected, self.weight_checksums())
         if differ:
-            raise RuntimeError(f"checksum mismatch: the vLLM engine serves {len(differ)} weight(s) "
+            raise EngineError(f"checksum mismatch: the vLLM engine serves {len(differ)} weight(s) "
                                f"that differ from the trainer's: {differ[:6]}; request a full sync")

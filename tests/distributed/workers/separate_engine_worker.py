@@ -133,8 +133,8 @@ def measure(args, cfg, groups):
         report["mismatches_after_forced"] = job.sync.mismatched()
 
         def kill_and_generate() -> str:
-            engine._procs[0].kill()
-            engine._procs[0].wait()
+            engine._procs.members[0].process.kill()
+            engine._procs.members[0].process.wait()
             try:
                 engine.generate([[1, 2]], max_new_tokens=2, temperature=1.0, top_p=1.0, seed=0)
             except Exception as error:  # noqa: BLE001 -- the message is the measurement
