@@ -14,6 +14,11 @@ ENGINES: tuple[str, ...] = ("megatron", "vllm")
 SYNC_MODES: tuple[str, ...] = ("auto", "low_rank", "full")
 """auto: low_rank for LoGRA, full for every other optimizer (their updates are dense)."""
 SYNC_WIRE_DTYPES: tuple[str, ...] = ("fp32", "bf16")
+SYNC_TRANSPORTS: tuple[str, ...] = ("rpc", "collective")
+"""rpc: each record's bytes over the engine's control channel (re-sent by a multi-rank engine
+to its other ranks); collective: the header over the control channel, the tensor bytes broadcast
+from the trainer's rank 0 to every engine rank in a process group of their own (gloo on CPU,
+NCCL on CUDA; megatron_logra/sync/transport.py)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,10 +68,13 @@ class SyncConfig:
     resync fully on a mismatch); 0: never."""
     bucket_bytes: int = 256 * 1024 * 1024
     """A full sync ships the weights in buckets of at most this many bytes."""
+    transport: str = "rpc"
+    """How a record's bytes reach the engine: rpc or collective (SYNC_TRANSPORTS)."""
 
     def validate(self, path: str = "sync") -> None:
         check_choice(f"{path}.mode", self.mode, SYNC_MODES)
         check_choice(f"{path}.wire_dtype", self.wire_dtype, SYNC_WIRE_DTYPES)
+        check_choice(f"{path}.transport", self.transport, SYNC_TRANSPORTS)
         for name in ("full_interval", "check_interval", "bucket_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_logra.config import Config
+from megatron_logra.rollout.collective_sync import CollectiveSender, TransportStats, channel_device
 from megatron_logra.rollout.engine import EngineResponse
 from megatron_logra.rollout.rpc import LIVENESS_POLL_S, EngineError, EngineProcesses, RpcClient
 
@@ -79,6 +80,7 @@ class MegatronEngine:
         self.log_dir = Path(log_dir)
         self._procs = EngineProcesses("rollout engine")
         self._rpc: RpcClient | None = None
+        self._sender: CollectiveSender | None = None  # sync.transport=collective
         self._tmp: tempfile.TemporaryDirectory | None = None
         self.info: dict[str, Any] = {}
 
@@ -135,12 +137,24 @@ class MegatronEngine:
             self.close()
             raise EngineError(f"the rollout engine speaks {self.info.get('protocol')!r}, this "
                               f"trainer {ENGINE_PROTOCOL!r}: run both from one installation")
+        if self.cfg.sync.transport == "collective":
+            self._sender = CollectiveSender(
+                self._rpc, engine_ranks=ro.tp, device=channel_device(self.cfg.parallel.device),
+                timeout_s=ro.request_timeout_s)
+            try:
+                self._sender.open(timeout_s=ro.start_timeout_s)
+            except EngineError:
+                self.close()
+                raise
 
     def close(self) -> None:
         self._shutdown(kill=False)
 
     def _shutdown(self, *, kill: bool) -> None:
         """Ask the engine to stop (or, once a rank died, kill the rest: they cannot finish)."""
+        if self._sender is not None:
+            self._sender.close()
+            self._sender = None
         if self._rpc is not None:
             if self._rpc.connected:
                 try:
@@ -166,7 +180,15 @@ class MegatronEngine:
         return [(list(tokens), list(logprobs)) for tokens, logprobs in result]
 
     def apply_sync(self, payload: bytes) -> None:
-        self._call("sync", bytes(payload))
+        if self._sender is not None:
+            self._sender.apply(payload, timeout_s=self.cfg.rollout.request_timeout_s)
+        else:
+            self._call("sync", bytes(payload))
+
+    @property
+    def transport_stats(self) -> TransportStats | None:
+        """What the collective transport carried (None with ``sync.transport=rpc``)."""
+        return None if self._sender is None else self._sender.stats
 
     def weight_checksums(self) -> dict[str, str]:
         return dict(self._call("checksums", None))
