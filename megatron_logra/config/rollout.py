@@ -3,7 +3,7 @@ a separate engine's weights are kept equal to the trainer's; docs/sync.md)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from megatron_logra.config.checks import check_choice, check_positive
 
@@ -35,6 +35,12 @@ class RolloutConfig:
     request_timeout_s: float = 600.0
     """One request to a separate engine (a generate, a sync record) that takes longer is an
     error naming the request: never a hang."""
+    devices: list[int] = field(default_factory=list)
+    """CUDA device indices (as the machine numbers them) of the separate engine's processes, one
+    per engine TP rank, disjoint from the trainer's (the paper's 4 + 4 split of one node:
+    ``rollout.devices=[4,5,6,7]`` beside a 4-rank trainer); the engine sees only them
+    (CUDA_VISIBLE_DEVICES). Empty: the engine's device follows parallel.device (on CUDA, its
+    ranks would take the trainer's first devices)."""
 
     def validate(self, path: str = "rollout") -> None:
         check_choice(f"{path}.placement", self.placement, PLACEMENTS)
@@ -43,6 +49,14 @@ class RolloutConfig:
             raise ValueError(f"{path}.tp={self.tp!r} must be an integer >= 1 (the engine's "
                              "tensor-parallel size)")
         check_positive(f"{path}.start_timeout_s", self.start_timeout_s)
+        if self.devices:
+            if len(set(self.devices)) != len(self.devices) or min(self.devices) < 0:
+                raise ValueError(f"{path}.devices={self.devices} must be distinct CUDA device "
+                                 "indices >= 0")
+            if len(self.devices) != self.tp:
+                raise ValueError(
+                    f"{path}.devices={self.devices} names {len(self.devices)} device(s) for "
+                    f"{path}.tp={self.tp} engine rank(s): give one device per engine rank")
         check_positive(f"{path}.request_timeout_s", self.request_timeout_s)
 
     @property

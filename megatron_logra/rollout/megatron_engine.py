@@ -28,9 +28,12 @@ from multiprocessing.connection import Client
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from megatron_logra.config import Config
 from megatron_logra.rollout.collective_sync import CollectiveSender, TransportStats, channel_device
 from megatron_logra.rollout.engine import EngineResponse
+from megatron_logra.rollout.placement import engine_device_env
 from megatron_logra.rollout.rpc import LIVENESS_POLL_S, EngineError, EngineProcesses, RpcClient
 
 __all__ = ["ENGINE_PROTOCOL", "EngineError", "MegatronEngine", "engine_config"]
@@ -54,9 +57,12 @@ def _free_port() -> int:
 
 def engine_config(cfg: Config) -> dict[str, Any]:
     """The engine's own config as a dict: the trainer's model, tokenizer and seeds, its own
-    layout (``rollout.tp``, no pipeline, one data-parallel rank), sampling in place."""
+    layout (``rollout.tp``, no pipeline, one data-parallel rank; CUDA on ``rollout.devices``),
+    sampling in place."""
+    # On its own devices (rollout.devices) the engine's world is NCCL, whatever the trainer's.
+    device = "cuda" if cfg.rollout.devices else cfg.parallel.device
     parallel = dataclasses.replace(cfg.parallel, tp=cfg.rollout.tp, pp=1, vpp=None, dp=None,
-                                   sp=False)
+                                   sp=False, device=device)
     rollout = dataclasses.replace(cfg.rollout, placement="colocated")
     checkpoint = dataclasses.replace(cfg.checkpoint, resume=False)
     data = cfg.to_dict()
@@ -94,12 +100,15 @@ class MegatronEngine:
         self._tmp = tempfile.TemporaryDirectory(prefix="logra_engine_")
         config_path = Path(self._tmp.name) / "engine_config.json"
         config_path.write_text(json.dumps(engine_config(self.cfg)))
+        placement = engine_device_env(
+            ro.devices, environ=os.environ,
+            cuda_device_count=torch.cuda.device_count() if ro.devices else 0)
         port, dist_port, authkey = _free_port(), _free_port(), os.urandom(32)
         for rank in range(ro.tp):
             env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank),
                    "WORLD_SIZE": str(ro.tp),
                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(dist_port),
-                   AUTHKEY_ENV: authkey.hex()}
+                   AUTHKEY_ENV: authkey.hex(), **placement}
             for key in list(env):
                 # A trainer under torchrun: its agent's variables would make the engine's
                 # rank 0 join the trainer's rendezvous store instead of creating its own.

