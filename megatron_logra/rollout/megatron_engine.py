@@ -5,8 +5,10 @@ processes (``megatron_logra.mcore.inference.engine_server``) with a world of the
 or NCCL on their own port, their own TP size, pipeline and data parallel 1), which build the
 same GPT from the same config, and connects to the engine's rank 0 over a local socket
 (``multiprocessing.connection`` with a random authkey). Every call is one message ``(op,
-body)`` and one reply ``("ok", result)`` or ``("error", message)``; sync records travel as the
-bytes of ``megatron_logra.sync.wire.encode``.
+body)`` and one reply ``("ok", result)`` or ``("error", message)`` (:mod:`.rpc`); sync records
+travel as the bytes of ``megatron_logra.sync.wire.encode``, or with ``sync.transport=collective``
+as their header, the tensor bytes broadcast to every engine rank (:mod:`.collective_sync`).
+``rollout.devices`` puts the engine's processes on CUDA devices of their own (:mod:`.placement`).
 
 Nothing waits forever: the launch has ``rollout.start_timeout_s``, every request
 ``rollout.request_timeout_s``, and while waiting the client checks that every engine process
@@ -96,13 +98,13 @@ class MegatronEngine:
         if self._rpc is not None:
             return
         ro = self.cfg.rollout
+        placement = engine_device_env(
+            ro.devices, environ=os.environ,
+            cuda_device_count=torch.cuda.device_count() if ro.devices else 0)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._tmp = tempfile.TemporaryDirectory(prefix="logra_engine_")
         config_path = Path(self._tmp.name) / "engine_config.json"
         config_path.write_text(json.dumps(engine_config(self.cfg)))
-        placement = engine_device_env(
-            ro.devices, environ=os.environ,
-            cuda_device_count=torch.cuda.device_count() if ro.devices else 0)
         port, dist_port, authkey = _free_port(), _free_port(), os.urandom(32)
         for rank in range(ro.tp):
             env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank),
@@ -125,7 +127,11 @@ class MegatronEngine:
                 ), log_path)
         deadline = time.monotonic() + ro.start_timeout_s
         while self._rpc is None:
-            self._procs.check_alive("starting")
+            try:
+                self._procs.check_alive("starting")
+            except EngineError:
+                self._shutdown(kill=True)
+                raise
             if time.monotonic() > deadline:
                 self._shutdown(kill=True)
                 raise EngineError(

@@ -5,7 +5,9 @@ vLLM pins versions that conflict with ours (transformers, numpy, fastapi, ...), 
 speaks to it over two pipes (pickled plain values; records as their wire bytes) and turns its
 failures into errors that name the cause. The engine protocol: ``start()``, ``generate(...)``,
 ``apply_sync(payload)`` (one ``megatron_logra.sync.wire.encode`` record), ``weight_checksums()``
-(digests of what vLLM serves, by Hugging Face name) and ``close()``. See docs/vllm.md.
+(digests of what vLLM serves, by Hugging Face name) and ``close()``. The pipes are the shared
+request/reply channel of :mod:`.rpc`; with ``transport="collective"`` a record's tensor bytes
+are broadcast to every vLLM worker instead (:mod:`.collective_sync`). See docs/vllm.md.
 """
 
 from __future__ import annotations
