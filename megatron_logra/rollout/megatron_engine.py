@@ -65,11 +65,14 @@ def engine_config(cfg: Config) -> dict[str, Any]:
     device = "cuda" if cfg.rollout.devices else cfg.parallel.device
     parallel = dataclasses.replace(cfg.parallel, tp=cfg.rollout.tp, pp=1, vpp=None, dp=None,
                                    sp=False, device=device)
-    rollout = dataclasses.replace(cfg.rollout, placement="colocated")
+    # The engine samples in place: no engine of its own to place or sync (it learns of the
+    # trainer's transport from the open_channel request, and its devices are already its env).
+    rollout = dataclasses.replace(cfg.rollout, placement="colocated", devices=[])
+    sync = dataclasses.replace(cfg.sync, transport="rpc")
     checkpoint = dataclasses.replace(cfg.checkpoint, resume=False)
     data = cfg.to_dict()
     data.update(parallel=dataclasses.asdict(parallel), rollout=dataclasses.asdict(rollout),
-                checkpoint=dataclasses.asdict(checkpoint))
+                sync=dataclasses.asdict(sync), checkpoint=dataclasses.asdict(checkpoint))
     return data
 
 

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from megatron_logra.config import load_config
+from megatron_logra.config import config_from_dict, load_config
 from megatron_logra.rollout.megatron_engine import engine_config
 from megatron_logra.rollout.placement import engine_device_env, trainer_devices
 
@@ -47,7 +47,12 @@ def test_the_papers_4_plus_4_split_places_the_engine_on_its_own_devices_with_an_
     env = engine_device_env(cfg.rollout.devices, cuda_device_count=EIGHT_GPUS,
                             environ=TORCHRUN_4)
     assert env == {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}  # engine rank r -> visible device r
-    assert engine_config(cfg)["parallel"]["device"] == "cuda"  # its own world over NCCL
+    engine = engine_config(cfg)
+    assert engine["parallel"]["device"] == "cuda"  # its own world over NCCL
+    # The engine's own config is a valid colocated one (its processes load it and refuse
+    # anything else): no devices or transport of its own.
+    assert (engine["rollout"]["devices"], engine["sync"]["transport"]) == ([], "rpc")
+    config_from_dict(engine).resolved(4, "rl")
     # Without rollout.devices nothing changes: the engine follows parallel.device.
     assert engine_device_env([], cuda_device_count=0, environ={}) == {}
     plain = load_config(None, SEPARATE, command="rl").resolved(1, "rl")
