@@ -36,7 +36,13 @@ from megatron_logra.config import Config
 from megatron_logra.rollout.collective_sync import CollectiveSender, TransportStats, channel_device
 from megatron_logra.rollout.engine import EngineResponse
 from megatron_logra.rollout.placement import engine_device_env
-from megatron_logra.rollout.rpc import LIVENESS_POLL_S, EngineError, EngineProcesses, RpcClient
+from megatron_logra.rollout.rpc import (
+    LIVENESS_POLL_S,
+    EngineError,
+    EngineProcesses,
+    RpcClient,
+    disable_nagle,
+)
 
 __all__ = ["ENGINE_PROTOCOL", "EngineError", "MegatronEngine", "engine_config"]
 
@@ -147,6 +153,7 @@ class MegatronEngine:
             except (ConnectionRefusedError, FileNotFoundError):
                 time.sleep(LIVENESS_POLL_S)
                 continue
+            disable_nagle(conn)
             self._rpc = RpcClient(self._procs, conn, conn,
                                   timeout_knob="rollout.request_timeout_s")
         self.info = self._call("hello", {"protocol": ENGINE_PROTOCOL},

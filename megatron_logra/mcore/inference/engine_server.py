@@ -42,6 +42,7 @@ from megatron_logra.mcore.models.sync_state import target_param_names
 from megatron_logra.mcore.process_groups import destroy_parallel, init_parallel
 from megatron_logra.rl.rollout import SamplingParams
 from megatron_logra.rollout.megatron_engine import AUTHKEY_ENV, ENGINE_PROTOCOL
+from megatron_logra.rollout.rpc import disable_nagle
 from megatron_logra.sync.checksum import weight_checksum
 from megatron_logra.sync.records import DenseUpdate, FullSyncBucket, LowRankUpdate
 from megatron_logra.sync.shadow import EngineShadow
@@ -153,6 +154,7 @@ def serve(cfg, port: int, authkey: bytes) -> None:
         if groups.world_rank == 0:
             listener = Listener(("127.0.0.1", port), authkey=authkey)
             conn = listener.accept()
+            disable_nagle(conn)  # replies over 16 KiB (rollouts, digests) would wait ~40 ms
         while True:
             message: list[Any] = [None]
             if conn is not None:
