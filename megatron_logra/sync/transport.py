@@ -151,8 +151,9 @@ class TensorChannel:
         except RuntimeError as error:
             raise RuntimeError(
                 f"sync channel ({self.address.backend}, {self.address.host}:{self.address.port}, "
-                f"rank {self.rank} of {self.address.world_size}) failed to {what} "
-                f"{tensor.numel()} bytes within {self.address.timeout_s:g} s: {error}") from error
+                f"rank {self.rank} of {self.address.world_size}, timeout "
+                f"{self.address.timeout_s:g} s) failed to {what} {tensor.numel()} bytes: "
+                f"{error}") from error
 
     def send(self, tensor_bytes: bytes | memoryview) -> None:
         """The trainer: broadcast one record's tensor bytes to every engine rank."""
