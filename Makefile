@@ -17,7 +17,7 @@ export OMP_NUM_THREADS ?= 1
 # The demo and the tests run on CPU over gloo; never let them pick up a GPU by accident.
 export CUDA_VISIBLE_DEVICES ?=
 
-.PHONY: setup setup-vllm demo demo-vllm test lint clean
+.PHONY: setup setup-vllm setup-vllm-cuda demo demo-vllm test lint clean
 
 setup: $(STAMP)
 
@@ -44,6 +44,21 @@ $(VLLM_STAMP): pyproject.toml megatron_logra_vllm/pyproject.toml
 	$(VLLM_VENV)/bin/pip install --quiet --no-deps -e . -e megatron_logra_vllm
 	@touch $(VLLM_STAMP)
 
+# vLLM for CUDA GPUs (tools/gpu_check.sh): the `vllm` release whose torch pin is ours
+# (vllm 0.32.0 requires torch==2.13.0; 0.33.0 moved to 2.14.0) and the release the plugin is
+# written for (megatron_logra_vllm.VLLM_VERSION). docs/gpu_check.md.
+VLLM_CUDA_VENV := .venv-vllm-cuda
+VLLM_CUDA_PACKAGE ?= vllm==0.32.0
+
+setup-vllm-cuda: $(VLLM_CUDA_VENV)/.installed
+
+$(VLLM_CUDA_VENV)/.installed: pyproject.toml megatron_logra_vllm/pyproject.toml
+	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) (Python 3.11) on PATH"; exit 1; }
+	$(PYTHON) -m venv $(VLLM_CUDA_VENV)
+	$(VLLM_CUDA_VENV)/bin/pip install --quiet $(VLLM_CUDA_PACKAGE)
+	$(VLLM_CUDA_VENV)/bin/pip install --quiet --no-deps -e . -e megatron_logra_vllm
+	@touch $@
+
 demo: $(STAMP)
 	$(PY) tools/demo_cpu.py
 
@@ -57,4 +72,4 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) runs .data .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_CUDA_VENV) runs .data .pytest_cache

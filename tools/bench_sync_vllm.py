@@ -1,7 +1,11 @@
 """Sync time and bytes of low-rank updates vs a full refit into the CPU vLLM engine.
 
     python tools/bench_sync_vllm.py [--hidden 512 --layers 4 --heads 8 --kv-heads 4 --ffn 1408
-                                     --vocab 2048 --sketch-rank 16 --updates 5 --tp 1]
+                                     --vocab 2048 --sketch-rank 16 --updates 5 --tp 1
+                                     --transport rpc|collective --json]
+    # on GPUs (tools/gpu_check.py): CUDA vLLM on device 1, the channel over NCCL from device 0
+    python tools/bench_sync_vllm.py --venv .venv-vllm-cuda --devices 1 --channel-device cuda \
+        --transport collective --logprobs --json
 
 Writes a Llama checkpoint of random weights, starts ``VLLMEngine`` (the vLLM venv, ``make
 setup-vllm``), then per update sends one low-rank record per target (paper mode: factors in
@@ -11,13 +15,18 @@ Times are wall-clock per update, from the first ``apply_sync`` to the last retur
 transport, the decode, the shadow's merge on every vLLM worker, the write into vLLM's weights and
 the prefix-cache reset. A local ``EngineShadow`` replays the same records, and the engine's
 served weights are checked against it at the end (the sync must be exact, not only fast).
-Prints one Markdown table.
+``--transport collective`` sends each record's tensor bytes over the sync channel
+(``sync.transport=collective``: gloo from the CPU, NCCL with ``--channel-device cuda``), the
+header over the pipe. ``--logprobs`` also scores random sequences with vLLM and with Hugging
+Face transformers on the shadow's weights (fp32, CPU) and reports the largest difference.
+Prints one Markdown table, or with ``--json`` one JSON object.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -34,7 +43,7 @@ from megatron_logra.mcore.conversion import (  # noqa: E402
     hf_tensors_from_megatron,
     write_safetensors,
 )
-from megatron_logra.rollout.vllm_engine import VLLMEngine  # noqa: E402
+from megatron_logra.rollout.vllm_engine import DEFAULT_VENV, VLLMEngine  # noqa: E402
 from megatron_logra.sync.checksum import weight_checksums  # noqa: E402
 from megatron_logra.sync.records import FactorPiece, LowRankUpdate, full_sync_buckets  # noqa: E402
 from megatron_logra.sync.shadow import EngineShadow  # noqa: E402
@@ -101,7 +110,19 @@ def main(argv: list[str] | None = None) -> int:
                           ("--updates", 5), ("--tp", 1), ("--refits", 3)):
         parser.add_argument(flag, type=int, default=default)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--transport", choices=["rpc", "collective"], default="rpc")
+    parser.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="the vLLM venv")
+    parser.add_argument("--devices", type=lambda s: [int(d) for d in s.split(",")], default=[],
+                        help="CUDA devices of vLLM's workers (comma-separated); none: CPU vLLM")
+    parser.add_argument("--channel-device", choices=["cpu", "cuda"], default="cpu",
+                        help="this process's end of the collective channel (cuda: NCCL)")
+    parser.add_argument("--logprobs", action="store_true",
+                        help="compare vLLM's log-probs with transformers' on the same weights")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
+    if args.devices and args.channel_device == "cpu":
+        # This process trains nothing on a GPU: vLLM may take any device, device 0 included.
+        os.environ["LOCAL_WORLD_SIZE"] = "0"
     served = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     config, full, targets = _model(args)
     shadow = EngineShadow(targets, served_dtype=served)
@@ -114,7 +135,9 @@ def main(argv: list[str] | None = None) -> int:
                                                    arch), hf_dir)
         (hf_dir / "config.json").write_text(json.dumps(config))
         engine = VLLMEngine(hf_dir, target_names=targets, tensor_parallel=args.tp,
-                            dtype=args.dtype, log_path=Path(tmp) / "engine.log")
+                            dtype=args.dtype, log_path=Path(tmp) / "engine.log",
+                            venv=args.venv, transport=args.transport,
+                            channel_device=args.channel_device, devices=args.devices)
         started = time.perf_counter()
         engine.start()
         start_s = time.perf_counter() - started
@@ -122,12 +145,27 @@ def main(argv: list[str] | None = None) -> int:
             rows = _bench(engine, shadow, exact, targets, args)
             match = engine.weight_checksums() == weight_checksums(sorted(
                 hf_tensors_from_megatron(shadow.served, arch).items()))
+            logprob_diff = (_logprob_diff(engine, config, shadow, arch, args)
+                            if args.logprobs else None)
+            stats = engine.transport_stats
         finally:
             engine.close()
     params = sum(t.numel() for t in full.values())
+    if args.json:
+        print(json.dumps({  # noqa: T201
+            "params": params, "dtype": args.dtype, "tp": args.tp, "transport": args.transport,
+            "channel_device": args.channel_device, "devices": args.devices,
+            "engine_start_s": start_s, "weights_match": match,
+            "logprob_max_abs_diff": logprob_diff,
+            "transport_stats": None if stats is None else vars(stats),
+            **{key: {"bytes_per_update": nbytes, "median_s": statistics.median(times),
+                     "min_s": min(times), "max_s": max(times)}
+               for key, (_, nbytes, times) in zip(("low_rank", "full"), rows, strict=True)}}))
+        return 0 if match else 1
     print(f"model: hidden {args.hidden}, {args.layers} layers, {args.heads}/{args.kv_heads} heads, "
           f"ffn {args.ffn}, vocab {args.vocab} ({params / 1e6:.1f} M params, {args.dtype}); "
-          f"sketch rank {args.sketch_rank}; vLLM TP={args.tp}; engine start {start_s:.1f} s")
+          f"sketch rank {args.sketch_rank}; vLLM TP={args.tp}; transport {args.transport}; "
+          f"engine start {start_s:.1f} s")
     print("| sync | bytes per update | time per update (median) | min | max |")
     print("|---|---|---|---|---|")
     for label, nbytes, times in rows:
@@ -137,7 +175,25 @@ def main(argv: list[str] | None = None) -> int:
     print(f"full / low-rank: {full_row[1] / low[1]:.1f}x bytes, "
           f"{statistics.median(full_row[2]) / statistics.median(low[2]):.1f}x time; "
           f"served weights equal the shadow's after the updates: {match}")
+    if logprob_diff is not None:
+        print(f"log-probs of 4 random sequences, max |vLLM - transformers|: {logprob_diff:.2e}")
     return 0 if match else 1
+
+
+def _logprob_diff(engine, config, shadow, arch, args) -> float:
+    """Largest |vLLM - transformers| log-prob of random sequences on the synced weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(**config)).float().eval()
+    state = {n: t.float() for n, t in hf_tensors_from_megatron(shadow.served, arch).items()}
+    model.load_state_dict(state, strict=True)
+    g = torch.Generator().manual_seed(2)
+    tokens_BL = torch.randint(0, args.vocab, (4, 24), generator=g)
+    with torch.no_grad():
+        logits = model(tokens_BL).logits.float()
+    reference = torch.log_softmax(logits[:, :-1], -1).gather(-1, tokens_BL[:, 1:, None])[..., 0]
+    served = torch.tensor(engine.score(tokens_BL.tolist()))
+    return float((served - reference).abs().max())
 
 
 def _bench(engine, shadow, exact, targets, args):

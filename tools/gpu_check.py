@@ -3,6 +3,7 @@
     tools/gpu_check.sh [OUT_DIR]                        # everything, ~5-8 minutes on one node
     python tools/gpu_check.py all --out runs/gpu_check  # the same, without the shell wrapper
     python tools/gpu_check.py tp_parity --out DIR       # one section
+    python tools/gpu_check.py sync_megatron vllm --out DIR   # several
 
 Each section checks its own prerequisites first (a CUDA device; two of them for TP=2; NCCL;
 Transformer Engine) and, where one is missing, records ``skipped: <why>`` instead of failing, so
@@ -21,7 +22,11 @@ Sections (one function each, returning its figures):
 * ``memory``: ``tools/bench_methods.py --device cuda`` on a ~1B-shaped GPT at 4096 tokens:
   ``torch.cuda.max_memory_allocated`` of dense Adam, LoRA and LoGRA beside the estimator's total;
 * ``master_merge``: ``tools/bench_master_merge.py --device cuda``: one merge per master store;
-* ``vllm``: not built yet (issue 14), always skipped.
+* ``sync_megatron``: the RL job's Megatron engine on its own GPU kept in step by low-rank sync
+  over the NCCL channel; bytes and sync time against full sync (tools/gpu_check_sync.py);
+* ``vllm``: CUDA vLLM (``.venv-vllm-cuda``) kept in step by low-rank sync over the collective
+  channel: weights read back, log-probs, bytes and time against a full refit
+  (tools/gpu_check_sync.py).
 
 Nothing here imports Megatron (only ``megatron_logra/mcore`` does): sections run the CLI and the
 benchmark tools as subprocesses, so the driver itself starts in about a second on any machine.
@@ -33,7 +38,6 @@ import argparse
 import importlib.metadata
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 import time
@@ -42,9 +46,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import gpu_check_sync
 import torch
+from gpu_check_common import (
+    REPO,
+    SectionFailed,
+    SectionSkipped,
+    cuda_missing,
+    gpus_missing,
+    nccl_missing,
+    require,
+    run_logged,
+    synthetic_data,
+    te_missing,
+    within,
+)
 
-REPO = Path(__file__).resolve().parents[1]
 FIGURES_FILE = "figures.jsonl"
 SUMMARY_FILE = "summary.txt"
 TINY_CONFIG = REPO / "configs" / "demo_cpu.yaml"
@@ -75,18 +92,11 @@ MEMORY_MODEL = ["--layers", "16", "--hidden", "2048", "--heads", "16", "--ffn", 
                 "--vocab", "32000", "--seq-length", "4096", "--micro-batch-size", "1",
                 "--sketch-rank", "256"]
 MERGE_SHAPES = ((4096, 4096), (28672, 4096))  # a square projection; a 7B-sized fused fc1
-# Seconds each section may run; together 470 s, so the whole check stays under 8 minutes.
+# Seconds each section may run; together 470 s, so these four stay under 8 minutes (the sync
+# sections have their own budgets, 390 s: tools/gpu_check_sync.py).
 # memory gets most: bench_methods starts 4 processes, and the model's layout-invariant
 # initialisation draws every full weight from a CPU generator (1e9 normals per model).
 BUDGET_S = {"tp_parity": 130, "te_spec": 70, "memory": 240, "master_merge": 30}
-
-
-class SectionSkipped(Exception):
-    """A prerequisite is missing; the message says which."""
-
-
-class SectionFailed(Exception):
-    """The section ran and a figure is out of tolerance (or a run failed); the message says which."""
 
 
 @dataclass
@@ -102,76 +112,6 @@ class Record:
         return text + (f": {self.reason}" if self.reason else "")
 
 
-# ----------------------------------------------------------------------------- prerequisites
-
-
-def cuda_missing() -> str | None:
-    if not torch.cuda.is_available():
-        return "no CUDA device (torch.cuda.is_available() is False)"
-    return None
-
-
-def gpus_missing(needed: int) -> str | None:
-    missing = cuda_missing()
-    if missing:
-        return missing
-    visible = torch.cuda.device_count()
-    if visible < needed:
-        return f"needs {needed} GPUs, {visible} visible"
-    return None
-
-
-def nccl_missing() -> str | None:
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_nccl_available():
-        return "this torch build has no NCCL"
-    return None
-
-
-def te_missing() -> str | None:
-    # find_spec only: importing TE where it cannot work breaks `import megatron.core` (DESIGN §3).
-    if importlib.util.find_spec("transformer_engine") is None:
-        return "Transformer Engine is not installed (pip install transformer-engine[pytorch])"
-    return None
-
-
-def _require(*reasons: str | None) -> None:
-    for reason in reasons:
-        if reason:
-            raise SectionSkipped(reason)
-
-
-# ----------------------------------------------------------------------------- subprocesses
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    return env
-
-
-def _run(command: list[str], deadline: float, log: Path) -> str:
-    """Run ``command`` until ``deadline`` (time.monotonic()); its output goes to ``log`` and is
-    returned. A non-zero exit or the deadline is a SectionFailed naming the log."""
-    remaining = deadline - time.monotonic()
-    if remaining <= 0:
-        raise SectionFailed(f"out of time before {' '.join(command[:6])} ...")
-    try:
-        done = subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True,
-                              timeout=remaining)
-    except subprocess.TimeoutExpired as error:
-        # TimeoutExpired carries bytes even under text=True.
-        partial = [o.decode(errors="replace") if isinstance(o, bytes) else (o or "")
-                   for o in (error.stdout, error.stderr)]
-        log.write_text(f"{command}\ntimed out after {remaining:.0f} s\n" + "\n".join(partial))
-        raise SectionFailed(f"timed out after {remaining:.0f} s ({log})") from error
-    log.write_text(f"{command}\nexit {done.returncode}\n{done.stdout}\n{done.stderr}")
-    if done.returncode != 0:
-        raise SectionFailed(f"exit {done.returncode} ({log}): {done.stderr.strip()[-300:]}")
-    return done.stdout
-
-
 def _cli_train(nproc: int, overrides: list[str], run_dir: Path, deadline: float) -> Path:
     launcher = [sys.executable]
     if nproc > 1:
@@ -179,17 +119,8 @@ def _cli_train(nproc: int, overrides: list[str], run_dir: Path, deadline: float)
     command = [*launcher, "-m", "megatron_logra", "train", str(TINY_CONFIG), *overrides,
                f"run.dir={run_dir}"]
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    _run(command, deadline, run_dir.parent / f"{run_dir.name}.log")
+    run_logged(command, deadline, run_dir.parent / f"{run_dir.name}.log")
     return run_dir
-
-
-def _synthetic_data(out: Path, deadline: float) -> Path:
-    data = out / "data"
-    if not (data / "train.jsonl").exists():
-        _run([sys.executable, "tools/make_synthetic_data.py", "--out", str(data), "--num-train",
-              "3000", "--num-eval", "200", "--num-valid", "0", "--vocab-size", "96"],
-             deadline, out / "data.log")
-    return data
 
 
 def _losses(run_dir: Path) -> list[float]:
@@ -213,20 +144,14 @@ def _weight_rel_diff(got_dir: Path, want_dir: Path) -> float:
                      / want[k].double().abs().max().clamp_min(1e-30)) for k in want)
 
 
-def _within(figures: dict[str, Any], name: str, value: float, tolerance: float) -> bool:
-    figures[name] = value
-    figures[f"{name}_tolerance"] = tolerance
-    return value <= tolerance
-
-
 # ----------------------------------------------------------------------------- sections
 
 
 def tp_parity(out: Path) -> dict[str, Any]:
     """LoGRA on the tiny GPT at TP=2 over NCCL against TP=1, fp32 and bf16."""
-    _require(gpus_missing(2), nccl_missing())
+    require(gpus_missing(2), nccl_missing())
     deadline = time.monotonic() + BUDGET_S["tp_parity"]
-    data = _synthetic_data(out, deadline)
+    data = synthetic_data(out, deadline)
     base = ["parallel.device=cuda", "parallel.sp=false", f"data.dir={data}",
             f"train.steps={PARITY_STEPS}", "train.micro_batch_size=8",
             "train.global_batch_size=16", "optimizer.name=logra", "run.save_full_weights=true"]
@@ -240,9 +165,9 @@ def tp_parity(out: Path) -> dict[str, Any]:
         figures[f"{dtype}_losses_tp2"] = _losses(runs[2])
         loss = _loss_rel_diff(figures[f"{dtype}_losses_tp2"], figures[f"{dtype}_losses_tp1"])
         weight = _weight_rel_diff(runs[2], runs[1])
-        if not _within(figures, f"{dtype}_loss_rel_diff", loss, loss_tol):
+        if not within(figures, f"{dtype}_loss_rel_diff", loss, loss_tol):
             bad.append(f"{dtype} loss differs by {loss:.2e} > {loss_tol:.0e}")
-        if not _within(figures, f"{dtype}_weight_rel_diff", weight, weight_tol):
+        if not within(figures, f"{dtype}_weight_rel_diff", weight, weight_tol):
             bad.append(f"{dtype} weights differ by {weight:.2e} > {weight_tol:.0e}")
     if bad:
         raise SectionFailed("; ".join(bad), figures)
@@ -251,9 +176,9 @@ def tp_parity(out: Path) -> dict[str, Any]:
 
 def te_spec(out: Path) -> dict[str, Any]:
     """The Transformer Engine layer spec against Megatron's local spec: bf16, LoGRA, TP=1."""
-    _require(cuda_missing(), te_missing())
+    require(cuda_missing(), te_missing())
     deadline = time.monotonic() + BUDGET_S["te_spec"]
-    data = _synthetic_data(out, deadline)
+    data = synthetic_data(out, deadline)
     base = ["parallel.device=cuda", "parallel.tp=1", "parallel.sp=false", f"data.dir={data}",
             f"train.steps={TE_STEPS}", "train.micro_batch_size=8", "train.global_batch_size=16",
             "optimizer.name=logra", "model.params_dtype=bf16", "run.save_full_weights=true"]
@@ -266,7 +191,7 @@ def te_spec(out: Path) -> dict[str, Any]:
     # the claim is the losses').
     figures["weight_rel_diff"] = _weight_rel_diff(runs["te"], runs["local"])
     figures["transformer_engine"] = importlib.metadata.version("transformer_engine")
-    if not _within(figures, "loss_rel_diff", loss, TE_LOSS_RTOL):
+    if not within(figures, "loss_rel_diff", loss, TE_LOSS_RTOL):
         raise SectionFailed(f"te loss differs from local by {loss:.2e} > {TE_LOSS_RTOL:.0e}",
                             figures)
     return figures
@@ -276,9 +201,9 @@ def memory(out: Path) -> dict[str, Any]:
     """Measured peak (torch.cuda.max_memory_allocated) of dense Adam, LoRA and LoGRA on a
     ~1B-shaped GPT at 4096 tokens, fp32 (what bench_methods and its estimate measure), beside the
     estimator's per-GPU total."""
-    _require(cuda_missing())
+    require(cuda_missing())
     deadline = time.monotonic() + BUDGET_S["memory"]
-    stdout = _run([sys.executable, "tools/bench_methods.py", "--device", "cuda", *MEMORY_MODEL,
+    stdout = run_logged([sys.executable, "tools/bench_methods.py", "--device", "cuda", *MEMORY_MODEL,
                    "--warmup", "1", "--steps", "2", "--no-kernels", "--json"],
                   deadline, out / "memory.log")
     result = json.loads(stdout[stdout.index("{"):])
@@ -299,25 +224,20 @@ def memory(out: Path) -> dict[str, Any]:
 
 def master_merge(out: Path) -> dict[str, Any]:
     """One LoGRA merge of a bf16 weight through each master store, on the GPU."""
-    _require(cuda_missing())
+    require(cuda_missing())
     deadline = time.monotonic() + BUDGET_S["master_merge"]
     figures: dict[str, Any] = {}
     for rows, cols in MERGE_SHAPES:
-        stdout = _run([sys.executable, "tools/bench_master_merge.py", "--device", "cuda",
+        stdout = run_logged([sys.executable, "tools/bench_master_merge.py", "--device", "cuda",
                        "--rows", str(rows), "--cols", str(cols), "--sketch-rank", "256",
                        "--json"], deadline, out / f"master_merge_{rows}x{cols}.log")
         figures[f"{rows}x{cols}"] = json.loads(stdout)
     return figures
 
 
-def vllm(out: Path) -> dict[str, Any]:
-    """vLLM on CUDA with low-rank sync: the engine does not exist in the project yet."""
-    raise SectionSkipped("the vLLM engine is not built yet (issue 14)")
-
-
 SECTIONS: dict[str, Callable[[Path], dict[str, Any]]] = {
     "tp_parity": tp_parity, "te_spec": te_spec, "memory": memory,
-    "master_merge": master_merge, "vllm": vllm,
+    "master_merge": master_merge, **gpu_check_sync.SECTIONS,
 }
 
 
@@ -371,6 +291,8 @@ def _figure_line(record: Record) -> str:
             f"  {m:<11} peak {f[m]['peak_bytes'] / 2**30:7.2f} GiB  estimate "
             f"{f[m]['estimate_total_bytes'] / 2**30:7.2f} GiB  ({f[m]['peak_over_estimate']:.2f}x)"
             for m in ("dense_adam", "lora", "logra") if m in f)
+    if record.section in gpu_check_sync.SECTIONS:
+        return gpu_check_sync.figure_line(record.section, f)
     if record.section == "master_merge" and record.status == "ok":
         return "\n".join(f"  {shape}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in
                                                      f[shape]["merge_ms"].items())
@@ -403,12 +325,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="\n".join(__doc__.splitlines()[1:]))
-    parser.add_argument("section", choices=["all", *SECTIONS])
+    parser.add_argument("section", nargs="+", choices=["all", *SECTIONS])
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "gpu_check")
     args = parser.parse_args(argv)
     args.out = args.out.resolve()  # the sections' subprocesses run in the repository root
     args.out.mkdir(parents=True, exist_ok=True)
-    names = list(SECTIONS) if args.section == "all" else [args.section]
+    names = list(SECTIONS) if "all" in args.section else args.section
     records = []
     for name in names:
         records.append(run_section(name, args.out))

@@ -134,7 +134,8 @@ def _coerce(path: str, value: Any, annotation: Any) -> Any:
         if isinstance(value, str):
             value = [item.strip() for item in value.split(",") if item.strip()]
         if not isinstance(value, list):
-            raise ValueError(f"{path}={value!r} must be a list")
+            items = {int: "integers", float: "numbers", str: "strings"}.get(item_type, "values")
+            raise ValueError(f"{path}={value!r} must be a list of {items}")
         return [_coerce(f"{path}[{i}]", item, item_type) for i, item in enumerate(value)]
     if annotation is bool:
         if isinstance(value, bool):

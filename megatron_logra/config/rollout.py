@@ -3,7 +3,7 @@ a separate engine's weights are kept equal to the trainer's; docs/sync.md)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from megatron_logra.config.checks import check_choice, check_positive
 
@@ -14,6 +14,11 @@ ENGINES: tuple[str, ...] = ("megatron", "vllm")
 SYNC_MODES: tuple[str, ...] = ("auto", "low_rank", "full")
 """auto: low_rank for LoGRA, full for every other optimizer (their updates are dense)."""
 SYNC_WIRE_DTYPES: tuple[str, ...] = ("fp32", "bf16")
+SYNC_TRANSPORTS: tuple[str, ...] = ("rpc", "collective")
+"""rpc: each record's bytes over the engine's control channel (re-sent by a multi-rank engine
+to its other ranks); collective: the header over the control channel, the tensor bytes broadcast
+from the trainer's rank 0 to every engine rank in a process group of their own (gloo on CPU,
+NCCL on CUDA; megatron_logra/sync/transport.py)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,6 +38,12 @@ class RolloutConfig:
     vllm_venv: str = ""
     """The venv vLLM runs in (rollout.engine=vllm); empty: this checkout's ``.venv-vllm``, which
     ``make setup-vllm`` builds. Checked before any rank starts."""
+    devices: list[int] = field(default_factory=list)
+    """CUDA device indices (as the machine numbers them) of the separate engine's processes, one
+    per engine TP rank, disjoint from the trainer's (the paper's 4 + 4 split of one node:
+    ``rollout.devices=[4,5,6,7]`` beside a 4-rank trainer); the engine sees only them
+    (CUDA_VISIBLE_DEVICES). Empty: the engine's device follows parallel.device (on CUDA, its
+    ranks would take the trainer's first devices)."""
 
     def validate(self, path: str = "rollout") -> None:
         check_choice(f"{path}.placement", self.placement, PLACEMENTS)
@@ -41,6 +52,14 @@ class RolloutConfig:
             raise ValueError(f"{path}.tp={self.tp!r} must be an integer >= 1 (the engine's "
                              "tensor-parallel size)")
         check_positive(f"{path}.start_timeout_s", self.start_timeout_s)
+        if self.devices:
+            if len(set(self.devices)) != len(self.devices) or min(self.devices) < 0:
+                raise ValueError(f"{path}.devices={self.devices} must be distinct CUDA device "
+                                 "indices >= 0")
+            if len(self.devices) != self.tp:
+                raise ValueError(
+                    f"{path}.devices={self.devices} names {len(self.devices)} device(s) for "
+                    f"{path}.tp={self.tp} engine rank(s): give one device per engine rank")
         check_positive(f"{path}.request_timeout_s", self.request_timeout_s)
         if not isinstance(self.vllm_venv, str):
             raise ValueError(f"{path}.vllm_venv={self.vllm_venv!r} must be a directory path "
@@ -69,10 +88,13 @@ class SyncConfig:
     resync fully on a mismatch); 0: never."""
     bucket_bytes: int = 256 * 1024 * 1024
     """A full sync ships the weights in buckets of at most this many bytes."""
+    transport: str = "rpc"
+    """How a record's bytes reach the engine: rpc or collective (SYNC_TRANSPORTS)."""
 
     def validate(self, path: str = "sync") -> None:
         check_choice(f"{path}.mode", self.mode, SYNC_MODES)
         check_choice(f"{path}.wire_dtype", self.wire_dtype, SYNC_WIRE_DTYPES)
+        check_choice(f"{path}.transport", self.transport, SYNC_TRANSPORTS)
         for name in ("full_interval", "check_interval", "bucket_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):

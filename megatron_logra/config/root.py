@@ -119,7 +119,17 @@ class Config:
         """A separate engine's own layout must fit the model, and its sync must be exact."""
         ro, s, m = self.rollout, self.sync, self.model
         if not ro.separate:
+            for key, value, default in (("rollout.devices", ro.devices, []),
+                                        ("sync.transport", s.transport, "rpc")):
+                if value != default:
+                    raise ValueError(f"{key}={value} with rollout.placement=colocated: there is "
+                                     "no separate engine to place or sync; set "
+                                     "rollout.placement=separate or drop it")
             return
+        if ro.devices and self.parallel.device == "cpu":
+            raise ValueError(f"rollout.devices={ro.devices} with parallel.device=cpu: the engine "
+                             "would run on GPUs, its trainer on the CPU; set parallel.device=cuda "
+                             "or drop rollout.devices")
         for name, value in (
             ("model.num_attention_heads", m.num_attention_heads),
             ("model.num_query_groups", m.query_groups),

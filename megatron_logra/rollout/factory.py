@@ -51,7 +51,8 @@ def _vllm_engine(module, cfg: Config, target_names: Sequence[str]) -> Generation
         dtype=_VLLM_DTYPES[cfg.model.params_dtype], max_model_len=cfg.model.seq_length,
         seed=cfg.rl.seed, venv=vllm_venv(cfg), log_path=engine_dir(cfg) / "vllm.log",
         start_timeout_s=cfg.rollout.start_timeout_s,
-        request_timeout_s=cfg.rollout.request_timeout_s)
+        request_timeout_s=cfg.rollout.request_timeout_s, transport=cfg.sync.transport,
+        channel_device=cfg.parallel.device, devices=cfg.rollout.devices)
 
 
 def make_engine(cfg: Config, target_names: Sequence[str] = ()) -> GenerationEngine:

@@ -5,8 +5,10 @@ processes (``megatron_logra.mcore.inference.engine_server``) with a world of the
 or NCCL on their own port, their own TP size, pipeline and data parallel 1), which build the
 same GPT from the same config, and connects to the engine's rank 0 over a local socket
 (``multiprocessing.connection`` with a random authkey). Every call is one message ``(op,
-body)`` and one reply ``("ok", result)`` or ``("error", message)``; sync records travel as the
-bytes of ``megatron_logra.sync.wire.encode``.
+body)`` and one reply ``("ok", result)`` or ``("error", message)`` (:mod:`.rpc`); sync records
+travel as the bytes of ``megatron_logra.sync.wire.encode``, or with ``sync.transport=collective``
+as their header, the tensor bytes broadcast to every engine rank (:mod:`.collective_sync`).
+``rollout.devices`` puts the engine's processes on CUDA devices of their own (:mod:`.placement`).
 
 Nothing waits forever: the launch has ``rollout.start_timeout_s``, every request
 ``rollout.request_timeout_s``, and while waiting the client checks that every engine process
@@ -24,19 +26,29 @@ import subprocess
 import sys
 import tempfile
 import time
-from multiprocessing.connection import Client, Connection
+from multiprocessing.connection import Client
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from megatron_logra.config import Config
+from megatron_logra.rollout.collective_sync import CollectiveSender, TransportStats, channel_device
 from megatron_logra.rollout.engine import EngineResponse
+from megatron_logra.rollout.placement import engine_device_env
+from megatron_logra.rollout.rpc import (
+    LIVENESS_POLL_S,
+    EngineError,
+    EngineProcesses,
+    RpcClient,
+    disable_nagle,
+)
+
+__all__ = ["ENGINE_PROTOCOL", "EngineError", "MegatronEngine", "engine_config"]
 
 ENGINE_PROTOCOL = "megatron_logra.engine/1"
 """Both ends refuse to talk to another protocol version."""
 AUTHKEY_ENV = "MEGATRON_LOGRA_ENGINE_AUTHKEY"
-# How often the client looks at the engine processes while it waits for a reply (seconds).
-_LIVENESS_POLL_S = 0.5
-_LOG_TAIL_CHARS = 2000
 # A closed engine has this long to exit before it is killed.
 _EXIT_TIMEOUT_S = 30
 _LAUNCHER_VARIABLES = frozenset({"GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME",
@@ -53,19 +65,21 @@ def _free_port() -> int:
 
 def engine_config(cfg: Config) -> dict[str, Any]:
     """The engine's own config as a dict: the trainer's model, tokenizer and seeds, its own
-    layout (``rollout.tp``, no pipeline, one data-parallel rank), sampling in place."""
+    layout (``rollout.tp``, no pipeline, one data-parallel rank; CUDA on ``rollout.devices``),
+    sampling in place."""
+    # On its own devices (rollout.devices) the engine's world is NCCL, whatever the trainer's.
+    device = "cuda" if cfg.rollout.devices else cfg.parallel.device
     parallel = dataclasses.replace(cfg.parallel, tp=cfg.rollout.tp, pp=1, vpp=None, dp=None,
-                                   sp=False)
-    rollout = dataclasses.replace(cfg.rollout, placement="colocated")
+                                   sp=False, device=device)
+    # The engine samples in place: no engine of its own to place or sync (it learns of the
+    # trainer's transport from the open_channel request, and its devices are already its env).
+    rollout = dataclasses.replace(cfg.rollout, placement="colocated", devices=[])
+    sync = dataclasses.replace(cfg.sync, transport="rpc")
     checkpoint = dataclasses.replace(cfg.checkpoint, resume=False)
     data = cfg.to_dict()
     data.update(parallel=dataclasses.asdict(parallel), rollout=dataclasses.asdict(rollout),
-                checkpoint=dataclasses.asdict(checkpoint))
+                sync=dataclasses.asdict(sync), checkpoint=dataclasses.asdict(checkpoint))
     return data
-
-
-class EngineError(RuntimeError):
-    """The rollout engine failed, refused a request or did not answer in time."""
 
 
 class MegatronEngine:
@@ -81,17 +95,21 @@ class MegatronEngine:
     def __init__(self, cfg: Config, log_dir: str | Path) -> None:
         self.cfg = cfg
         self.log_dir = Path(log_dir)
-        self._procs: list[subprocess.Popen] = []
-        self._conn: Connection | None = None
+        self._procs = EngineProcesses("rollout engine")
+        self._rpc: RpcClient | None = None
+        self._sender: CollectiveSender | None = None  # sync.transport=collective
         self._tmp: tempfile.TemporaryDirectory | None = None
         self.info: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        if self._conn is not None:
+        if self._rpc is not None:
             return
         ro = self.cfg.rollout
+        placement = engine_device_env(
+            ro.devices, environ=os.environ,
+            cuda_device_count=torch.cuda.device_count() if ro.devices else 0)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._tmp = tempfile.TemporaryDirectory(prefix="logra_engine_")
         config_path = Path(self._tmp.name) / "engine_config.json"
@@ -101,7 +119,7 @@ class MegatronEngine:
             env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank),
                    "WORLD_SIZE": str(ro.tp),
                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(dist_port),
-                   AUTHKEY_ENV: authkey.hex()}
+                   AUTHKEY_ENV: authkey.hex(), **placement}
             for key in list(env):
                 # A trainer under torchrun: its agent's variables would make the engine's
                 # rank 0 join the trainer's rendezvous store instead of creating its own.
@@ -109,16 +127,20 @@ class MegatronEngine:
                     del env[key]
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT,
                                                               env.get("PYTHONPATH")]))
-            log = open(self.log_dir / f"engine_rank{rank}.log", "w")
-            self._procs.append(subprocess.Popen(
-                [sys.executable, "-m", "megatron_logra.mcore.inference.engine_server",
-                 "--config", str(config_path), "--port", str(port)],
-                env=env, stdout=log, stderr=subprocess.STDOUT,
-            ))
-            log.close()
+            log_path = self.log_dir / f"engine_rank{rank}.log"
+            with open(log_path, "w") as log:
+                self._procs.add(f"rank {rank}", subprocess.Popen(
+                    [sys.executable, "-m", "megatron_logra.mcore.inference.engine_server",
+                     "--config", str(config_path), "--port", str(port)],
+                    env=env, stdout=log, stderr=subprocess.STDOUT,
+                ), log_path)
         deadline = time.monotonic() + ro.start_timeout_s
-        while self._conn is None:
-            self._check_alive("starting")
+        while self._rpc is None:
+            try:
+                self._procs.check_alive("starting")
+            except EngineError:
+                self._shutdown(kill=True)
+                raise
             if time.monotonic() > deadline:
                 self._shutdown(kill=True)
                 raise EngineError(
@@ -127,37 +149,46 @@ class MegatronEngine:
                     f"{self.log_dir}/engine_rank0.log"
                 )
             try:
-                self._conn = Client(("127.0.0.1", port), authkey=authkey)
+                conn = Client(("127.0.0.1", port), authkey=authkey)
             except (ConnectionRefusedError, FileNotFoundError):
-                time.sleep(_LIVENESS_POLL_S)
+                time.sleep(LIVENESS_POLL_S)
+                continue
+            disable_nagle(conn)
+            self._rpc = RpcClient(self._procs, conn, conn,
+                                  timeout_knob="rollout.request_timeout_s")
         self.info = self._call("hello", {"protocol": ENGINE_PROTOCOL},
                                timeout_s=ro.start_timeout_s)
         if self.info.get("protocol") != ENGINE_PROTOCOL:
             self.close()
             raise EngineError(f"the rollout engine speaks {self.info.get('protocol')!r}, this "
                               f"trainer {ENGINE_PROTOCOL!r}: run both from one installation")
+        if self.cfg.sync.transport == "collective":
+            self._sender = CollectiveSender(
+                self._rpc, engine_ranks=ro.tp, device=channel_device(self.cfg.parallel.device),
+                timeout_s=ro.request_timeout_s)
+            try:
+                self._sender.open(timeout_s=ro.start_timeout_s)
+            except EngineError:
+                self.close()
+                raise
 
     def close(self) -> None:
         self._shutdown(kill=False)
 
     def _shutdown(self, *, kill: bool) -> None:
         """Ask the engine to stop (or, once a rank died, kill the rest: they cannot finish)."""
-        if self._conn is not None:
-            try:
-                self._conn.send(("close", None))
-            except OSError:
-                pass
-            self._conn.close()
-            self._conn = None
-        for proc in self._procs:
-            if kill and proc.poll() is None:
-                proc.kill()
-            try:
-                proc.wait(timeout=_EXIT_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        self._procs = []
+        if self._sender is not None:
+            self._sender.close()
+            self._sender = None
+        if self._rpc is not None:
+            if self._rpc.connected:
+                try:
+                    self._rpc.send("close", None)  # the engine exits without a reply
+                except EngineError:
+                    pass
+            self._rpc.disconnect()
+            self._rpc = None
+        self._procs.stop(kill=kill, timeout_s=_EXIT_TIMEOUT_S)
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
@@ -174,52 +205,22 @@ class MegatronEngine:
         return [(list(tokens), list(logprobs)) for tokens, logprobs in result]
 
     def apply_sync(self, payload: bytes) -> None:
-        self._call("sync", bytes(payload))
+        if self._sender is not None:
+            self._sender.apply(payload, timeout_s=self.cfg.rollout.request_timeout_s)
+        else:
+            self._call("sync", bytes(payload))
+
+    @property
+    def transport_stats(self) -> TransportStats | None:
+        """What the collective transport carried (None with ``sync.transport=rpc``)."""
+        return None if self._sender is None else self._sender.stats
 
     def weight_checksums(self) -> dict[str, str]:
         return dict(self._call("checksums", None))
     # ------------------------------------------------------------------ transport
 
-    def _log_tail(self, rank: int) -> str:
-        path = self.log_dir / f"engine_rank{rank}.log"
-        text = path.read_text(errors="replace") if path.exists() else ""
-        return text[-_LOG_TAIL_CHARS:]
-
-    def _check_alive(self, doing: str) -> None:
-        for rank, proc in enumerate(self._procs):
-            code = proc.poll()
-            if code is not None:
-                tail = self._log_tail(rank)
-                self._conn = None
-                self._shutdown(kill=True)
-                raise EngineError(
-                    f"rollout engine rank {rank} exited with code {code} while {doing}; its "
-                    f"log ends:\n{tail}"
-                )
-
     def _call(self, op: str, body: Any, *, timeout_s: float | None = None) -> Any:
-        if self._conn is None:
+        if self._rpc is None:
             raise EngineError(f"rollout engine {op}: the engine is not running (call start())")
         timeout_s = self.cfg.rollout.request_timeout_s if timeout_s is None else timeout_s
-        try:
-            self._conn.send((op, body))
-        except OSError as error:
-            self._check_alive(f"sending {op}")
-            raise EngineError(f"rollout engine {op}: the connection broke ({error})") from error
-        deadline = time.monotonic() + timeout_s
-        while not self._conn.poll(_LIVENESS_POLL_S):
-            self._check_alive(f"serving {op}")
-            if time.monotonic() > deadline:
-                raise EngineError(
-                    f"rollout engine {op}: no reply within {timeout_s} s "
-                    "(rollout.request_timeout_s); raise it or see the engine logs in "
-                    f"{self.log_dir}"
-                )
-        try:
-            status, result = self._conn.recv()
-        except EOFError as error:
-            self._check_alive(f"serving {op}")
-            raise EngineError(f"rollout engine {op}: the connection closed") from error
-        if status != "ok":
-            raise EngineError(f"rollout engine refused {op}: {result}")
-        return result
+        return self._rpc.call(op, body, timeout_s=timeout_s)

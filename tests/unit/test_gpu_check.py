@@ -24,6 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 gpu_check = load_tool("gpu_check")
+gpu_check_sync = sys.modules["gpu_check_sync"]  # what gpu_check imported: the one it runs
 
 
 def _records(out: Path) -> dict[str, dict]:
@@ -41,8 +42,7 @@ def test_gpu_check_script_without_cuda_exits_0_skipping_every_section_with_its_r
     records = _records(out)
     assert list(records) == ["environment", *gpu_check.SECTIONS]
     no_cuda = "no CUDA device (torch.cuda.is_available() is False)"
-    expected = {name: no_cuda for name in ("tp_parity", "te_spec", "memory", "master_merge")}
-    expected["vllm"] = "the vLLM engine is not built yet (issue 14)"
+    expected = {name: no_cuda for name in gpu_check.SECTIONS}
     for name, reason in expected.items():
         assert records[name]["status"] == "skipped"
         assert records[name]["reason"] == reason
@@ -91,3 +91,38 @@ def test_a_section_that_ran_and_failed_makes_the_check_exit_1_with_its_figures(
     summary = (tmp_path / gpu_check.SUMMARY_FILE).read_text()
     assert "FAILED: tp_parity" in summary
     assert "bf16_loss_rel_diff 5.0e-02" in summary  # the figures it has, even if not all
+
+
+def _gpus(monkeypatch, count: int) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+
+
+def test_megatron_sync_section_with_one_gpu_is_skipped_as_needing_two(tmp_path, monkeypatch):
+    _gpus(monkeypatch, 1)
+    record = gpu_check.run_section("sync_megatron", tmp_path)
+    assert (record.status, record.reason) == ("skipped", "needs 2 GPUs, 1 visible")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_vllm_section_with_a_gpu_but_no_cuda_vllm_venv_is_skipped_naming_its_setup(
+        tmp_path, monkeypatch):
+    _gpus(monkeypatch, 8)
+    monkeypatch.setattr(gpu_check_sync, "VLLM_CUDA_VENV", tmp_path / "no-venv")
+    record = gpu_check.run_section("vllm", tmp_path / "out")
+    assert record.status == "skipped"
+    assert record.reason.startswith("no CUDA vLLM venv (no-venv): `make setup-vllm-cuda`")
+    assert not (tmp_path / "out").exists()
+
+
+def test_vllm_section_feeds_gpu1_over_nccl_with_two_gpus_and_gpu0_over_gloo_otherwise(
+        monkeypatch):
+    _gpus(monkeypatch, 2)
+    # This CPU build of torch has no NCCL: with it missing, two GPUs still get the gloo channel.
+    assert gpu_check_sync.vllm_placement()[1] == "gloo (one GPU)"
+    monkeypatch.setattr(gpu_check_sync, "nccl_missing", lambda: None)  # a CUDA build's NCCL
+    assert gpu_check_sync.vllm_placement() == (["--devices", "1", "--channel-device", "cuda"],
+                                               "nccl")
+    _gpus(monkeypatch, 1)
+    assert gpu_check_sync.vllm_placement() == (["--devices", "0", "--channel-device", "cpu"],
+                                               "gloo (one GPU)")

@@ -43,10 +43,12 @@ from megatron_logra.mcore.models.sync_state import target_param_names
 from megatron_logra.mcore.process_groups import destroy_parallel, init_parallel
 from megatron_logra.rl.rollout import SamplingParams
 from megatron_logra.rollout.megatron_engine import AUTHKEY_ENV, ENGINE_PROTOCOL
+from megatron_logra.rollout.rpc import disable_nagle
 from megatron_logra.sync.checksum import weight_checksum
 from megatron_logra.sync.records import DenseUpdate, FullSyncBucket, LowRankUpdate
 from megatron_logra.sync.shadow import EngineShadow
 from megatron_logra.sync.shard import megatron_tp_shard
+from megatron_logra.sync.transport import ChannelAddress, TensorChannel, payload_digest
 from megatron_logra.sync.wire import decode
 
 logger = logging.getLogger(__name__)
@@ -76,6 +78,7 @@ class EngineRank:
         self.shadow = EngineShadow(targets, served_dtype=_PARAMS_DTYPES[cfg.model.params_dtype],
                                    shards=shards)
         self._full_names: set[str] = set()  # names of the full sync in progress
+        self.channel: TensorChannel | None = None  # sync.transport=collective
 
     def handle(self, op: str, body: Any) -> Any:
         if op == "hello":
@@ -88,6 +91,18 @@ class EngineRank:
             return self._generate(body)
         if op == "sync":
             return self._sync(body)
+        if op == "open_channel":
+            address = ChannelAddress(**body["address"])
+            device = (torch.device("cuda", torch.cuda.current_device())
+                      if address.backend == "nccl" else torch.device("cpu"))
+            self.channel = TensorChannel.open_engine(address, self.groups.world_rank, device)
+            return {"channel_rank": self.channel.rank}
+        if op == "sync_collective":
+            if self.channel is None:
+                raise RuntimeError("sync_collective before open_channel")
+            # Every rank receives its copy of the tensor bytes from the trainer directly.
+            payload = self.channel.receive_payload(body["header"], body["nbytes"])
+            return {**self._sync(payload), "digest": payload_digest(payload)}
         if op == "checksums":
             return {name: weight_checksum(gather_full(param, self.groups.tp,
                                                       self.groups.tp_size))
@@ -142,6 +157,7 @@ def serve(cfg, port: int, authkey: bytes) -> None:
         if groups.world_rank == 0:
             listener = Listener(("127.0.0.1", port), authkey=authkey)
             conn = listener.accept()
+            disable_nagle(conn)  # replies over 16 KiB (rollouts, digests) would wait ~40 ms
         while True:
             message: list[Any] = [None]
             if conn is not None:

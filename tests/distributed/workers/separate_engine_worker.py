@@ -16,7 +16,10 @@ non-targets ship dense) with ``rollout.placement=separate`` and the Megatron eng
 * ``forced_mismatch``: one ulp changed in one element of a trainer target weight outside the
   optimizer, one more step: its metrics (the check must fail and the full sync restore
   equality) and the weight check after it;
-* ``dead_engine``: the error a generate raises after engine rank 0 was killed.
+* ``dead_engine``: the error a generate raises after engine rank 0 was killed;
+* ``wire``: the records and bytes sent until the weight check after the steps, and what the
+  collective transport (``--transport collective``) carried of them: headers over the control
+  channel, tensor bytes over the broadcast.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ def cfg_for(args, world: int):
         "logra.mode=library", "optimizer.lr=3e-3", "optimizer.weight_decay=0.1",
         "rollout.placement=separate", f"rollout.tp={args.engine_tp}",
         "rollout.start_timeout_s=120", "sync.check_interval=1", "sync.bucket_bytes=65536",
+        f"sync.transport={args.transport}",
         f"data.dir={args.data}", f"run.dir={args.out / 'run'}",
     ]
     return load_config(RL_CONFIG, overrides, command="rl").resolved(world, "rl")
@@ -103,6 +107,12 @@ def measure(args, cfg, groups):
                                    if initial[n] != d)
         report["targets"] = sorted(f"{t.layer_key}.weight" for t in job.setup.logra.targets)
         report["mismatches_after_steps"] = job.sync.mismatched()
+
+        def wire() -> dict:
+            stats = engine.transport_stats
+            return {"records": len(sent), "bytes": sum(len(p) for p in sent),
+                    "transport": None if stats is None else dataclasses.asdict(stats)}
+        report["wire"] = from_world_rank0(wire, "wire bytes")
         report["after_steps_rollout"] = _rollouts(job, groups, args.steps)
 
         def refuse() -> dict:
@@ -134,8 +144,8 @@ def measure(args, cfg, groups):
         report["mismatches_after_forced"] = job.sync.mismatched()
 
         def kill_and_generate() -> str:
-            engine._procs[0].kill()
-            engine._procs[0].wait()
+            engine._procs.members[0].process.kill()
+            engine._procs.members[0].process.wait()
             try:
                 engine.generate([[1, 2]], max_new_tokens=2, temperature=1.0, top_p=1.0, seed=0)
             except Exception as error:  # noqa: BLE001 -- the message is the measurement
@@ -152,6 +162,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--trainer-tp", type=int, default=2)
     parser.add_argument("--engine-tp", type=int, default=1)
+    parser.add_argument("--transport", default="rpc")
 
 
 if __name__ == "__main__":
