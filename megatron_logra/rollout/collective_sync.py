@@ -99,4 +99,6 @@ class CollectiveSender:
         return reply
 
     def close(self) -> None:
-        self._channel = None  # the group and the trainer's store go with it
+        if self._channel is not None:
+            self._channel.close()  # the group and the trainer's store go with it
+        self._channel = None

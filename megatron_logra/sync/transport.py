@@ -143,6 +143,8 @@ class TensorChannel:
     # ------------------------------------------------------------------ records
 
     def _broadcast(self, tensor: torch.Tensor, what: str) -> None:
+        if self._group is None:
+            raise RuntimeError(f"sync channel rank {self.rank}: {what} after close()")
         options = dist.BroadcastOptions()
         options.rootRank = 0
         options.timeout = self._timeout
@@ -171,6 +173,13 @@ class TensorChannel:
         tensor = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         self._broadcast(tensor, "receive")
         return tensor.cpu().numpy().tobytes()
+
+    def close(self) -> None:
+        """Drop the group now. A gloo group left to the interpreter's teardown can abort the
+        process ("terminate called without an active exception": its threads outlive the
+        objects they use), which a departing engine rank would report as a crash."""
+        self._group = None
+        self._store = None
 
     def receive_payload(self, header: bytes, nbytes: int) -> bytes:
         """An engine rank: the whole record (always receives first: the trainer's broadcast

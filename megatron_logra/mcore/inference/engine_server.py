@@ -151,6 +151,7 @@ class EngineRank:
 def serve(cfg, port: int, authkey: bytes) -> None:
     groups = init_parallel(cfg)
     world = dist.group.WORLD
+    rank = None
     try:
         rank = EngineRank(cfg, groups)
         conn = None
@@ -177,6 +178,8 @@ def serve(cfg, port: int, authkey: bytes) -> None:
             if conn is not None and op != "idle":
                 conn.send(reply)
     finally:
+        if rank is not None and rank.channel is not None:
+            rank.channel.close()
         destroy_parallel()
 
 
