@@ -117,9 +117,3 @@ def check_moe_run(cfg: Any) -> None:
             "and relative row floor are not defined for experts that received no tokens); "
             "use logra.mode=library"
         )
-    if cfg.logra.kl_control.enabled and p.ep > 1:
-        raise ValueError(
-            f"logra.kl_control.enabled=true with parallel.ep={p.ep}: the KL probe has no "
-            "forward-mode rule for Megatron's expert all-to-all yet; use parallel.ep=1 or "
-            "disable logra.kl_control"
-        )
