@@ -111,9 +111,3 @@ def check_moe_run(cfg: Any) -> None:
             f"LoGRA on an MoE model needs model.params_dtype=fp32 (got {m.params_dtype}): "
             "masters sharded over the expert-data-parallel group are not built yet"
         )
-    if cfg.logra.mode == "paper":
-        raise ValueError(
-            "logra.mode=paper is not supported on an MoE model yet (its joint update ratio "
-            "and relative row floor are not defined for experts that received no tokens); "
-            "use logra.mode=library"
-        )

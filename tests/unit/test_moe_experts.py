@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_logra.direction import DirectionContext, RowAdamDirection
+from megatron_logra.direction import DirectionContext, PaperRowAdamDirection, RowAdamDirection
 from megatron_logra.mcore.optimizer.expert_state import (
     hold_idle_experts_,
     idle_experts,
@@ -41,11 +41,14 @@ def _step(buffer, rule, step, active, generator):
     return idle
 
 
-def test_an_expert_without_tokens_gets_no_direction_and_keeps_its_row_moments():
+@pytest.mark.parametrize("rule_class", [RowAdamDirection, PaperRowAdamDirection])
+def test_an_expert_without_tokens_gets_no_direction_and_keeps_its_row_moments(rule_class):
+    """Library and paper RowAdam alike (the paper's per-layer statistics, floor and norm
+    restoration are each expert's own: an idle expert's zero sketch must not reach them)."""
     generator = torch.Generator().manual_seed(0)
     buffer = FlatSketchBuffer([SketchSlot(k, ROWS, SKETCH_RANK, False, expert=True)
                                for k in KEYS], device="cpu")
-    rule = RowAdamDirection(buffer, beta2=0.95, eps=1e-8)
+    rule = rule_class(buffer, beta2=0.95, eps=1e-8)
     assert _step(buffer, rule, 1, KEYS, generator) == []
     after_first = {k: rule.moment(k).clone() for k in KEYS}
     assert all(bool((m > 0).all()) for m in after_first.values())

@@ -418,8 +418,14 @@ class LoGRAOptimizer(MegatronOptimizer):
     @torch.no_grad()
     def _weight_sq_norm(self) -> float:
         """``||W_targets||_F^2`` from the fp32 masters (or the fp32 weights), every share once,
-        in float64 by row blocks (no float64 copy of a whole weight)."""
+        in float64 by row blocks (no float64 copy of a whole weight).
+
+        Over the weights this update moves: an expert that received no token is left out (it
+        gets no update), so the paper's ratio is the relative change of what changes, whatever
+        the routing left idle (docs/moe.md)."""
         def share(target: SketchTarget) -> Any:
+            if target.layer_key in self._idle:
+                return 0.0
             master = self.masters.get(target.layer_key)
             rows = norm_block_rows(target.weight.shape[1])
             blocks = (master.fp32_row_blocks(rows) if master is not None
