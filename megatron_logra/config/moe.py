@@ -104,10 +104,3 @@ def check_moe_run(cfg: Any) -> None:
             "optimizer.name=lora does not adapt experts (its targets are dense linears); use "
             "optimizer.name=logra or a dense optimizer with an MoE model"
         )
-    if o.name != "logra":
-        return
-    if m.params_dtype != "fp32":
-        raise ValueError(
-            f"LoGRA on an MoE model needs model.params_dtype=fp32 (got {m.params_dtype}): "
-            "masters sharded over the expert-data-parallel group are not built yet"
-        )

@@ -61,10 +61,28 @@ def test_an_expert_without_tokens_gets_no_direction_and_keeps_its_row_moments(ru
     assert bool((buffer.owned_view(KEYS[0]) != 0).any())
 
 
-def test_expert_slots_are_laid_out_after_the_dense_ones_and_refused_when_dp_sharded():
+def test_expert_slots_are_laid_out_after_the_dense_ones_and_sharded_over_expert_dp():
+    """Sharded masters: dense rows are split over DP, an expert's over its expert-data-parallel
+    group (here 2 ranks, or 1 at EP = DP, where each rank owns all rows of its experts); every
+    owner's pieces tile the layer's rows once."""
     slots = [SketchSlot("e", ROWS, SKETCH_RANK, False, expert=True),
              SketchSlot("d", ROWS, SKETCH_RANK, False)]
     buffer = FlatSketchBuffer(slots, device="cpu")
     assert [s.layer_key for s in buffer.slots] == ["d", "e"]
-    with pytest.raises(ValueError, match="expert sketches are replicated"):
-        FlatSketchBuffer(slots, device="cpu", dp_size=2, dp_rank=0)
+    for expert_dp in (1, 2):
+        owned = {"d": [], "e": []}
+        for rank in range(2):
+            sharded = FlatSketchBuffer(slots, device="cpu", dp_size=2, dp_rank=rank,
+                                       expert_dp_size=expert_dp, expert_dp_rank=rank % expert_dp)
+            assert sharded.owned_view("d").shape == (ROWS // 2, SKETCH_RANK)
+            assert sharded.owned_view("e").shape == (ROWS // expert_dp, SKETCH_RANK)
+            for key in owned:
+                owned[key] += [r for lo, hi in sharded.shards[key].ranges() for r in range(lo, hi)]
+            # The rows a backward accumulates cover the layer once, whoever owns them.
+            pieces = sharded.pieces("e")
+            assert sorted(r for p in pieces for r in range(p.row_start, p.row_end)) == list(
+                range(ROWS))
+        assert sorted(owned["d"]) == list(range(ROWS))
+        assert sorted(owned["e"]) == sorted(list(range(ROWS)) * (2 // expert_dp))
+    with pytest.raises(ValueError, match="shard both or neither"):
+        FlatSketchBuffer(slots, device="cpu", expert_dp_size=2, expert_dp_rank=0)

@@ -38,7 +38,8 @@ def model_sum(
     device: torch.device,
 ) -> float:
     """``sum over the model`` of ``per_target``: dense targets' shares summed over
-    ``stats_group``, experts' over ``expert_group``. Collective (the same calls on every rank:
+    ``stats_group``, experts' over ``expert_group`` (None: the whole world, where every rank
+    holds a distinct share -- sharded masters). Collective (the same calls on every rank:
     every rank of an MoE model holds experts)."""
     dense = torch.zeros((), dtype=torch.float64, device=device)
     experts = torch.zeros((), dtype=torch.float64, device=device)
@@ -51,8 +52,6 @@ def model_sum(
     if dist.is_initialized() and dist.get_world_size(stats_group) > 1:
         dist.all_reduce(dense, group=stats_group)
     if any(target.expert for target in targets):
-        if expert_group is None and dist.is_initialized() and dist.get_world_size() > 1:
-            raise RuntimeError("expert statistics need the expert model-parallel group")
         if dist.is_initialized() and dist.get_world_size(expert_group) > 1:
             dist.all_reduce(experts, group=expert_group)
     return float((dense + experts).item())

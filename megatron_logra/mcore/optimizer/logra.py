@@ -93,7 +93,8 @@ class LoGRAOptimizer(MegatronOptimizer):
       updates all rows (the sketch buffer is all-reduced).
     * ``dp_sharded`` / ``remainder`` / ``host``: bf16 parameters with exact masters sharded over
       the data-parallel group by whole rows (fp32 rows on the device, int16 remainders on the
-      device, fp32 rows in host memory). The sketch buffer is reduce-scattered, each rank
+      device, fp32 rows in host memory); a routed expert's over its expert-data-parallel group
+      (the ranks that hold the same experts). The sketch buffer is reduce-scattered, each rank
       applies RowAdam and the update to the rows it owns, and the updated bf16 rows are
       all-gathered. The three give bit-identical weights.
 
@@ -168,6 +169,9 @@ class LoGRAOptimizer(MegatronOptimizer):
             device=targets[0].weight.device,
             dp_size=groups.dp_size if sharded else 1,
             dp_rank=groups.dp_rank if sharded else 0,
+            # Experts' masters are sharded over the ranks that hold the same experts.
+            expert_dp_size=groups.expert_dp_size if sharded else 1,
+            expert_dp_rank=groups.expert_dp_rank if sharded else 0,
         )
         self.masters: dict[str, RowMaster] = {}
         for target in self.targets:
@@ -177,8 +181,10 @@ class LoGRAOptimizer(MegatronOptimizer):
             if master is not None:
                 self.masters[target.layer_key] = master
         # Sketch statistics: replicated sketches are summed over model parallelism only; sharded
-        # ones hold distinct rows on every DP rank as well.
+        # ones hold distinct rows on every DP rank as well (experts': on every expert-DP rank, so
+        # every rank of the world holds a distinct share).
         self.stats_group = None if sharded else groups.mp
+        self.expert_stats_group = None if sharded else groups.expert_mp
         self.direction: DirectionRule = make_direction_rule(
             mode.direction(logra.direction), self.sketches, beta2=logra.beta2, eps=logra.eps
         )
@@ -189,6 +195,15 @@ class LoGRAOptimizer(MegatronOptimizer):
             False: (groups.tp_dp if sharded else groups.tp) if groups.tp_size > 1 or sharded
             else None,
             True: groups.dp if sharded else None,
+        }
+        # An expert's rows: split over expert TP (= TP) and, when sharded, over expert-DP; the
+        # statistics are sums and minima, so reducing over the two groups in turn is reducing
+        # over their product (one tuple object, so the layers sharing it batch their collectives).
+        expert_column = tuple(g for g, split in ((groups.tp, groups.tp_size > 1),
+                                                 (groups.expert_dp, sharded)) if split)
+        self.expert_row_groups = {
+            False: expert_column or None,
+            True: (groups.expert_dp,) if sharded else None,
         }
         self._prepared = False
         self._idle: list[str] = []
@@ -280,7 +295,7 @@ class LoGRAOptimizer(MegatronOptimizer):
     def _model_sum(self, per_target: Callable[[SketchTarget], Any]) -> float:
         """A model-wide sum of per-target shares (experts' over their own groups)."""
         return model_sum(self.targets, per_target, stats_group=self.stats_group,
-                         expert_group=self.groups.expert_mp, device=self.sketches.data.device)
+                         expert_group=self.expert_stats_group, device=self.sketches.data.device)
 
     @torch.no_grad()
     def clip_sketches_(self, max_norm: float, total_norm: float) -> None:
@@ -384,7 +399,8 @@ class LoGRAOptimizer(MegatronOptimizer):
         try:
             self.direction.apply_(
                 self.sketches,
-                DirectionContext(step=self.update_count + 1, row_groups=self.row_groups),
+                DirectionContext(step=self.update_count + 1, row_groups=self.row_groups,
+                                 expert_row_groups=self.expert_row_groups),
             )
             hold_idle_experts_(self.direction, self.sketches, idle_moments, self._idle)
         except Exception:
@@ -452,7 +468,8 @@ class LoGRAOptimizer(MegatronOptimizer):
         if not self._prepared:
             raise RuntimeError("prepare_update() first")
         lr, _ = self._step_size()
-        full = self.sketches.gathered_data(dp_group=self.groups.dp)
+        full = self.sketches.gathered_data(dp_group=self.groups.dp,
+                                           expert_dp_group=self.groups.expert_dp)
         directions = {}
         for target in self.targets:
             pieces = self.sketches.pieces(target.layer_key, data=full)
@@ -545,7 +562,7 @@ class LoGRAOptimizer(MegatronOptimizer):
                                        weight_decay=weight_decay)
             else:
                 master.merge_(target.weight, direction, projection, lr=step_lr,
-                              weight_decay=weight_decay, dp_group=self.groups.dp)
+                              weight_decay=weight_decay, dp_group=self.master_group(target))
         self._synchronize()
         self.last_merge_time_s = time.perf_counter() - merge_start
         self.update_count += 1
@@ -557,6 +574,10 @@ class LoGRAOptimizer(MegatronOptimizer):
             self.refresh_projections()
         if self.update_listener is not None:
             self.update_listener(records)
+
+    def master_group(self, target: SketchTarget) -> Any:
+        """The group a target's master rows are sharded over (and its bf16 rows gathered)."""
+        return self.groups.expert_dp if target.expert else self.groups.dp
 
     def _sync_record(self, target: SketchTarget, factor_OR: torch.Tensor, step_lr: float,
                      weight_decay: float) -> LowRankUpdate:
