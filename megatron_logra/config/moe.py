@@ -94,11 +94,6 @@ def check_moe_run(cfg: Any) -> None:
             f"an MoE model at parallel.tp={p.tp} needs model.add_bias_linear=false: Megatron "
             "supports expert biases only with expert tensor parallelism 1"
         )
-    if p.pp > 1:
-        raise ValueError(
-            f"an MoE model with parallel.pp={p.pp} is not supported yet (the MoE layer layout "
-            "per pipeline stage is not built or tested); use parallel.pp=1"
-        )
     if o.name == "lora":
         raise ValueError(
             "optimizer.name=lora does not adapt experts (its targets are dense linears); use "

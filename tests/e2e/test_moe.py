@@ -14,9 +14,12 @@ the routed experts. A layout must not change the run beyond fp32 reduction-order
   sketches are summed over the expert-data-parallel group, which is one rank here, and dense
   sketches over DP=2);
 * TP=2 with SP and the all-gather dispatcher (Megatron requires SP for MoE under TP; the
-  experts are split over expert TP=2, tokens gathered over TP x EP) == TP=1.
+  experts are split over expert TP=2, tokens gathered over TP x EP) == TP=1;
+* PP=2 x EP=2 (4 ranks: the MoE layer on stage 0, the dense one on stage 1, so one stage has no
+  experts at all and still joins the model-wide statistics over expert TP x EP x PP) == EP=1;
+  the same parameter names (a stage that built the wrong layer kinds would fail here).
 
-Three runs, not four (EP=2 x all-gather as well): the two dispatchers are each exercised once.
+EP=2 x all-gather is not run as well: the two dispatchers are each exercised once.
 A job's cost is its start (model build, process groups, checkpoint and weight files: 2-5 s
 measured on the 2-core machine at a load of 3-5), not its steps (~0.07 s each at this size), so
 the suite saves jobs, not steps: the EP=1 run is the reference of every comparison, and the resume forks the EP=2 run's
@@ -97,10 +100,15 @@ RUNS: dict[str, tuple[int, list[str]]] = {
                          "model.moe_token_dispatcher=alltoall"]),
     "tp2_sp_allgather": (2, ["parallel.tp=2", "parallel.sp=true",
                              "model.moe_token_dispatcher=allgather"]),
+    # Stage 0 holds the MoE layer, stage 1 the dense one (the MoE layers are chosen by global
+    # layer index); each stage's DP=2 ranks split the experts over EP=2.
+    "pp2_ep2_alltoall": (4, ["parallel.tp=1", "parallel.pp=2", "parallel.ep=2",
+                             "model.moe_token_dispatcher=alltoall"]),
 }
 # EP only moves whole experts between ranks and the dispatcher only moves tokens: the sums are
 # the same up to the order of the dense DP reduction. Measured 8.7e-7 (an expert's fc2; the
 # dense layer and the shared expert 4.8e-7 and 4.0e-7; losses bitwise equal); ~5x headroom.
+# PP=2 x EP=2 (the pipeline moves activations, not sums): 7.9e-7, losses bitwise.
 MOE_EP_WEIGHT_REL_TOL = 5e-6
 # TP=2 splits every expert's rows/columns and reduces row-parallel partial sketches over TP;
 # RowAdam's per-row normalisation amplifies that rounding in rows with small moments. Measured
@@ -123,7 +131,8 @@ PAPER = ["logra.mode=paper", "logra.update_ratio=3e-2", "logra.update_factor_dty
 KL_CONTROL = [*PAPER, "logra.kl_control.enabled=true", "logra.kl_control.kl_budget=1e-5",
               "logra.kl_control.kl_budget_final=1e-5", "logra.kl_control.probe_responses=6"]
 KL_RUNS: dict[str, tuple[int, list[str]]] = {
-    f"kl_{name}": (nproc, [*overrides, *KL_CONTROL]) for name, (nproc, overrides) in RUNS.items()
+    f"kl_{name}": (RUNS[name][0], [*RUNS[name][1], *KL_CONTROL])
+    for name in ("ep1", "ep2_alltoall", "tp2_sp_allgather")
 }
 # The Fisher form is the KL's second-order term: at a per-token KL of 1e-4 the third-order
 # remainder is ~1% (e2e/test_kl_control.py measures 0.1-2% on the dense model); 5% flags a
@@ -191,7 +200,8 @@ def _run(runs: CliRuns, name: str):
 
 @pytest.mark.parametrize(
     ("candidate", "weight_tol"),
-    [("ep2_alltoall", MOE_EP_WEIGHT_REL_TOL), ("tp2_sp_allgather", MOE_TP_WEIGHT_REL_TOL)],
+    [("ep2_alltoall", MOE_EP_WEIGHT_REL_TOL), ("tp2_sp_allgather", MOE_TP_WEIGHT_REL_TOL),
+     ("pp2_ep2_alltoall", MOE_EP_WEIGHT_REL_TOL)],
 )
 def test_moe_logra_training_is_layout_invariant(candidate, weight_tol, runs):
     loss_err, weight_err = run_differences(_run(runs, candidate), _run(runs, "ep1"),

@@ -36,11 +36,13 @@ def model_sum(
     stats_group: dist.ProcessGroup | None,
     expert_group: dist.ProcessGroup | None,
     device: torch.device,
+    model_has_experts: bool,
 ) -> float:
     """``sum over the model`` of ``per_target``: dense targets' shares summed over
     ``stats_group``, experts' over ``expert_group`` (None: the whole world, where every rank
-    holds a distinct share -- sharded masters). Collective (the same calls on every rank:
-    every rank of an MoE model holds experts)."""
+    holds a distinct share -- sharded masters). Collective: the same calls on every rank; in
+    an MoE model (``model_has_experts``) that includes the ranks without experts (a pipeline
+    stage of dense layers only), which add zero."""
     dense = torch.zeros((), dtype=torch.float64, device=device)
     experts = torch.zeros((), dtype=torch.float64, device=device)
     for target in targets:
@@ -51,10 +53,19 @@ def model_sum(
             dense += value
     if dist.is_initialized() and dist.get_world_size(stats_group) > 1:
         dist.all_reduce(dense, group=stats_group)
-    if any(target.expert for target in targets):
+    if model_has_experts:
         if dist.is_initialized() and dist.get_world_size(expert_group) > 1:
             dist.all_reduce(experts, group=expert_group)
     return float((dense + experts).item())
+
+
+def model_has_experts(targets: Sequence[SketchTarget], device: torch.device) -> bool:
+    """Whether any rank holds expert targets (collective over the world, once at construction):
+    under pipeline parallelism a stage may have none while the model has them."""
+    flag = torch.tensor([1.0 if any(t.expert for t in targets) else 0.0], device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item() > 0)
 
 
 def idle_experts(targets: Sequence[SketchTarget], sketches: FlatSketchBuffer) -> list[str]:

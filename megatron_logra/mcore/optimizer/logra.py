@@ -50,6 +50,7 @@ from megatron_logra.mcore.models.targets import SketchTarget
 from megatron_logra.mcore.optimizer.expert_state import (
     hold_idle_experts_,
     idle_experts,
+    model_has_experts,
     model_sum,
     row_moments_of,
 )
@@ -185,6 +186,7 @@ class LoGRAOptimizer(MegatronOptimizer):
         # every rank of the world holds a distinct share).
         self.stats_group = None if sharded else groups.mp
         self.expert_stats_group = None if sharded else groups.expert_mp
+        self.model_has_experts = model_has_experts(self.targets, targets[0].weight.device)
         self.direction: DirectionRule = make_direction_rule(
             mode.direction(logra.direction), self.sketches, beta2=logra.beta2, eps=logra.eps
         )
@@ -295,7 +297,8 @@ class LoGRAOptimizer(MegatronOptimizer):
     def _model_sum(self, per_target: Callable[[SketchTarget], Any]) -> float:
         """A model-wide sum of per-target shares (experts' over their own groups)."""
         return model_sum(self.targets, per_target, stats_group=self.stats_group,
-                         expert_group=self.expert_stats_group, device=self.sketches.data.device)
+                         expert_group=self.expert_stats_group, device=self.sketches.data.device,
+                         model_has_experts=self.model_has_experts)
 
     @torch.no_grad()
     def clip_sketches_(self, max_norm: float, total_norm: float) -> None:
