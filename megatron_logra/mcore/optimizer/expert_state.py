@@ -21,11 +21,13 @@ Two things, both kept out of the optimizer's main path:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from megatron_logra.mcore.models.targets import SketchTarget
+from megatron_logra.mcore.process_groups import ParallelGroups
 from megatron_logra.sketch_buffer import FlatSketchBuffer
 
 
@@ -57,6 +59,17 @@ def model_sum(
         if dist.is_initialized() and dist.get_world_size(expert_group) > 1:
             dist.all_reduce(experts, group=expert_group)
     return float((dense + experts).item())
+
+
+def expert_row_groups(groups: ParallelGroups, *, sharded: bool) -> dict[bool, Any]:
+    """The groups holding an expert layer's rows, keyed by ``tp_partial`` (as the direction
+    context's ``row_groups``): column-parallel rows split over expert TP (= TP) and, with sharded
+    masters, over expert-DP; row-parallel rows over expert-DP when sharded. The paper's row
+    statistics are sums and minima, so reducing over the two groups in turn is reducing over
+    their product (one tuple object, so the layers sharing it batch their collectives)."""
+    column = tuple(g for g, split in ((groups.tp, groups.tp_size > 1),
+                                      (groups.expert_dp, sharded)) if split)
+    return {False: column or None, True: (groups.expert_dp,) if sharded else None}
 
 
 def model_has_experts(targets: Sequence[SketchTarget], device: torch.device) -> bool:

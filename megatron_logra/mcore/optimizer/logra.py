@@ -48,6 +48,7 @@ from megatron_logra.logra_mode import LoGRAMode
 from megatron_logra.master_weights import RowMaster, master_weights_mode
 from megatron_logra.mcore.models.targets import SketchTarget
 from megatron_logra.mcore.optimizer.expert_state import (
+    expert_row_groups,
     hold_idle_experts_,
     idle_experts,
     model_has_experts,
@@ -198,15 +199,7 @@ class LoGRAOptimizer(MegatronOptimizer):
             else None,
             True: groups.dp if sharded else None,
         }
-        # An expert's rows: split over expert TP (= TP) and, when sharded, over expert-DP; the
-        # statistics are sums and minima, so reducing over the two groups in turn is reducing
-        # over their product (one tuple object, so the layers sharing it batch their collectives).
-        expert_column = tuple(g for g, split in ((groups.tp, groups.tp_size > 1),
-                                                 (groups.expert_dp, sharded)) if split)
-        self.expert_row_groups = {
-            False: expert_column or None,
-            True: (groups.expert_dp,) if sharded else None,
-        }
+        self.expert_row_groups = expert_row_groups(groups, sharded=sharded)
         self._prepared = False
         self._idle: list[str] = []
         """Expert targets that received no token in the prepared update."""
