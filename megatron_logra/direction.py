@@ -33,10 +33,14 @@ class DirectionContext:
         row_groups: for rules with statistics over a layer's rows: the process group holding
             the rows of complete (column-parallel) layers, keyed False, and of row-parallel
             layers, keyed True (None: the rank holds all rows).
+        expert_row_groups: the same for routed experts' layers (their rows are sharded over
+            the expert-data-parallel group, not DP); a value may be a tuple of groups, reduced
+            over in turn.
     """
 
     step: int
     row_groups: Mapping[bool, Any] = field(default_factory=dict)
+    expert_row_groups: Mapping[bool, Any] = field(default_factory=dict)
 
 
 class DirectionRule(Protocol):
@@ -117,7 +121,8 @@ class PaperRowAdamDirection(RowAdamDirection):
     def apply_(self, sketches: FlatSketchBuffer, context: DirectionContext) -> None:
         layers = [
             PaperRowAdamLayer(view, self.moment(slot.layer_key),
-                              context.row_groups.get(slot.tp_partial))
+                              (context.expert_row_groups if slot.expert
+                               else context.row_groups).get(slot.tp_partial))
             for slot, view in sketches.owned_items()
         ]
         paper_row_adam_(layers, step=context.step, beta2=self.beta2, eps=self.eps)

@@ -52,12 +52,16 @@ class PaperRowAdamLayer:
 
     sketch_OR: torch.Tensor
     moment_O: torch.Tensor
-    row_group: dist.ProcessGroup | None
+    row_group: dist.ProcessGroup | tuple[dist.ProcessGroup, ...] | None
+    """A tuple when the rows are split over several groups (a sharded expert's: expert TP,
+    then expert-DP): every statistic is a sum or a minimum, reduced over each in turn."""
 
 
-def _reduce(values: torch.Tensor, group: dist.ProcessGroup | None, op: dist.ReduceOp) -> None:
-    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(values, op=op, group=group)
+def _reduce(values: torch.Tensor, group: dist.ProcessGroup | tuple[dist.ProcessGroup, ...] | None,
+            op: dist.ReduceOp) -> None:
+    for one in group if isinstance(group, tuple) else (group,):
+        if one is not None and dist.is_initialized() and dist.get_world_size(one) > 1:
+            dist.all_reduce(values, op=op, group=one)
 
 
 def _per_group(layers: Sequence[PaperRowAdamLayer]) -> dict[int, list[int]]:

@@ -14,9 +14,10 @@ Complete sketches form the first region of the buffer and partial ones the secon
 is reduced by one collective over its region. Routed experts of an MoE model (``expert=True``)
 have two regions of their own after those: an expert's copies live on the expert-data-parallel
 group (the DP ranks that hold the same experts), so its sketch is reduced over that group, never
-over the dense DP group (whose other members hold other experts at the same offsets). The buffer
-also counts the token rows each slot accumulated, so that an expert that received no tokens in a
-step can be told apart (:meth:`FlatSketchBuffer.received_tokens`).
+over the dense DP group (whose other members hold other experts at the same offsets) -- and when
+sharded, it is sharded over that group (``expert_dp_size``), not over DP. The buffer also counts
+the token rows each slot accumulated, so that an expert that received no tokens in a step can be
+told apart (:meth:`FlatSketchBuffer.received_tokens`).
 
 Two layouts:
 
@@ -28,6 +29,9 @@ Two layouts:
   segment. The partial region is first all-reduced over TP; each region is then reduce-scattered
   over DP, leaving every rank the reduced rows it owns (see :mod:`megatron_logra.row_sharding`).
   During backward a layer accumulates into several pieces, one per (DP owner, stride block).
+  The expert regions are ``[expert_dp][experts' owned pieces]`` the same way, reduce-scattered
+  over the expert-data-parallel group (an expert-DP size of 1 leaves each rank all the rows of
+  its experts).
 """
 
 from __future__ import annotations
@@ -52,8 +56,8 @@ class SketchSlot:
         sketch_rank: columns of the sketch (r; the input width n for the identity projection).
         tp_partial: True when the rank's sketch is a partial sum over the tensor-parallel group.
         stride: interleaved row blocks of the TP shard (2 for a gated fc1), for DP sharding.
-        expert: a routed expert's sketch, reduced over the expert-data-parallel group
-            (replicated layout only).
+        expert: a routed expert's sketch, reduced (and, when sharded, sharded) over the
+            expert-data-parallel group.
     """
 
     layer_key: str
@@ -84,7 +88,16 @@ class _Region:
     start: int
     numel: int
     segment: int
-    """Elements per DP rank (the whole region when replicated)."""
+    """Elements per owner (the whole region when replicated)."""
+    owners: int = 1
+    """Ranks the region is sharded over (DP, or expert-DP for the expert regions)."""
+    rank: int = 0
+    """This rank's owner index among them."""
+
+    def mine(self, data: torch.Tensor) -> torch.Tensor:
+        """This rank's owned segment of the region."""
+        start = self.start + self.rank * self.segment
+        return data[start : start + self.segment]
 
 
 class FlatSketchBuffer:
@@ -98,15 +111,17 @@ class FlatSketchBuffer:
         dtype: torch.dtype = torch.float32,
         dp_size: int = 1,
         dp_rank: int = 0,
+        expert_dp_size: int = 1,
+        expert_dp_rank: int = 0,
     ) -> None:
         keys = [slot.layer_key for slot in slots]
         if len(set(keys)) != len(keys):
             raise ValueError(f"duplicate layer keys among sketch slots: {keys}")
         self.dp_size, self.dp_rank = dp_size, dp_rank
-        if dp_size > 1 and any(slot.expert for slot in slots):
+        if expert_dp_size > 1 and dp_size == 1:
             raise ValueError(
-                "expert sketches are replicated over their expert-data-parallel group; a "
-                "DP-sharded buffer (sharded masters) cannot hold them"
+                f"expert_dp_size={expert_dp_size} with dp_size=1: the expert-data-parallel "
+                "group is part of the data-parallel one; shard both or neither"
             )
         complete = [slot for slot in slots if not slot.tp_partial and not slot.expert]
         partial = [slot for slot in slots if slot.tp_partial and not slot.expert]
@@ -115,16 +130,20 @@ class FlatSketchBuffer:
         self.slots: tuple[SketchSlot, ...] = tuple(
             complete + partial + expert_complete + expert_partial
         )
+        owners = {False: (dp_size, dp_rank), True: (expert_dp_size, expert_dp_rank)}
         self.shards = {
-            slot.layer_key: RowShard(slot.rows, slot.stride, dp_size, dp_rank)
+            slot.layer_key: RowShard(slot.rows, slot.stride, *owners[slot.expert])
             for slot in self.slots
         }
         regions: list[_Region] = []
         start = 0
-        for group in (complete, partial, expert_complete, expert_partial):
+        for group, expert in ((complete, False), (partial, False), (expert_complete, True),
+                              (expert_partial, True)):
+            ways, rank = owners[expert]
             segment = sum(self.shards[s.layer_key].owned_rows * s.sketch_rank for s in group)
-            regions.append(_Region(start=start, numel=segment * dp_size, segment=segment))
-            start += segment * dp_size
+            regions.append(_Region(start=start, numel=segment * ways, segment=segment,
+                                   owners=ways, rank=rank))
+            start += segment * ways
         self._complete, self._partial, self._expert_complete, self._expert_partial = regions
         self.partial_start = self._partial.start
         # fp32 in training; float64 only for reference computations in tests.
@@ -144,7 +163,7 @@ class FlatSketchBuffer:
 
     def _place(self, slot: SketchSlot, region: _Region, offset: int) -> None:
         shard, r = self.shards[slot.layer_key], slot.sketch_rank
-        if not self.sharded:
+        if region.owners == 1:
             # Replicated: the layer's rows are one contiguous [rows, r] block.
             at = region.start + offset
             view = self.data[at : at + slot.rows * r].view(slot.rows, r)
@@ -152,7 +171,7 @@ class FlatSketchBuffer:
             self._owned[slot.layer_key] = view
             return
         pieces: list[RowPiece] = []
-        for d in range(self.dp_size):
+        for d in range(region.owners):
             base = region.start + d * region.segment + offset
             for block, (lo, hi) in enumerate(shard.ranges(d)):
                 at = base + block * shard.chunk_rows * r
@@ -160,7 +179,7 @@ class FlatSketchBuffer:
                     RowPiece(lo, hi, at, self.data[at : at + (hi - lo) * r].view(-1, r))
                 )
         self._pieces[slot.layer_key] = tuple(sorted(pieces, key=lambda piece: piece.row_start))
-        mine = region.start + self.dp_rank * region.segment + offset
+        mine = region.start + region.rank * region.segment + offset
         self._owned[slot.layer_key] = self.data[mine : mine + shard.owned_rows * r].view(-1, r)
 
     # ------------------------------------------------------------------ access
@@ -181,22 +200,27 @@ class FlatSketchBuffer:
             for p in pieces
         )
 
-    def gathered_data(self, *, dp_group: dist.ProcessGroup | None) -> torch.Tensor:
-        """Every DP owner's reduced rows, laid out like the buffer (collective when sharded).
+    def gathered_data(self, *, dp_group: dist.ProcessGroup | None,
+                      expert_dp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+        """Every owner's reduced rows, laid out like the buffer (collective when sharded).
 
         Replicated layouts already hold every row: the buffer itself is returned. Sharded ones
-        all-gather each region's owned segments into a new tensor, one collective per region.
+        all-gather each sharded region's owned segments into a new tensor, one collective per
+        region (the expert regions over ``expert_dp_group``).
         """
         if not self.sharded:
             return self.data
         full = torch.empty_like(self.data)
-        for region in (self._complete, self._partial):
-            if region.numel:
-                mine = self.data[region.start + self.dp_rank * region.segment :][: region.segment]
-                dist.all_gather_single(
-                    full[region.start : region.start + region.numel], mine.contiguous(),
-                    group=dp_group,
-                )
+        for region, group in ((self._complete, dp_group), (self._partial, dp_group),
+                              (self._expert_complete, expert_dp_group),
+                              (self._expert_partial, expert_dp_group)):
+            if not region.numel:
+                continue
+            out = _region_view(full, region)
+            if region.owners == 1:
+                out.copy_(_region_view(self.data, region))
+            else:
+                dist.all_gather_single(out, region.mine(self.data).contiguous(), group=group)
         return full
 
     def view(self, layer_key: str) -> torch.Tensor:
@@ -219,13 +243,10 @@ class FlatSketchBuffer:
 
     def owned_segments(self) -> tuple[torch.Tensor, ...]:
         """The flat parts of the buffer holding this rank's reduced rows (one per region)."""
-        out = []
-        for region in (self._complete, self._partial, self._expert_complete,
-                       self._expert_partial):
-            if region.numel:
-                start = region.start + (self.dp_rank * region.segment if self.sharded else 0)
-                out.append(self.data[start : start + region.segment])
-        return tuple(out)
+        return tuple(region.mine(self.data) for region in self._regions() if region.numel)
+
+    def _regions(self) -> tuple[_Region, ...]:
+        return (self._complete, self._partial, self._expert_complete, self._expert_partial)
 
     @property
     def nbytes(self) -> int:
@@ -292,23 +313,28 @@ class FlatSketchBuffer:
         if tp_size > 1 and partial.numel() > 0:
             dist.all_reduce(partial, group=tp_group)
             collectives += 1
-        for region, flat in ((self._complete, complete), (self._partial, partial)):
-            if region.numel == 0:
-                continue
-            mine = self.data[region.start + self.dp_rank * region.segment :][: region.segment]
-            # reduce_scatter writes this rank's reduced segment; the input must not alias it.
-            reduced = torch.empty_like(mine)
-            dist.reduce_scatter_single(reduced, flat, group=dp_group)
-            mine.copy_(reduced)
-            collectives += 1
+        for region in (self._complete, self._partial):
+            collectives += self._reduce_scatter(region, dp_group)
         return collectives
+
+    def _reduce_scatter(self, region: _Region, group: dist.ProcessGroup | None) -> int:
+        """Sum a sharded region over its owners, leaving this rank its reduced segment."""
+        if region.numel == 0:
+            return 0
+        mine = region.mine(self.data)
+        # reduce_scatter writes this rank's reduced segment; the input must not alias it.
+        reduced = torch.empty_like(mine)
+        dist.reduce_scatter_single(reduced, _region_view(self.data, region), group=group)
+        mine.copy_(reduced)
+        return 1
 
     def _reduce_experts(
         self, expert_dp_group: dist.ProcessGroup | None, tp_group: dist.ProcessGroup | None,
         tp_size: int,
     ) -> int:
         """Expert regions: row-parallel partials summed over (expert) TP, then both regions and
-        the experts' token counts over the expert-data-parallel group."""
+        the experts' token counts over the expert-data-parallel group (reduce-scattered when
+        sharded over it)."""
         expert_complete = _region_view(self.data, self._expert_complete)
         expert_partial = _region_view(self.data, self._expert_partial)
         if expert_complete.numel() + expert_partial.numel() == 0:
@@ -323,10 +349,15 @@ class FlatSketchBuffer:
             dist.all_reduce(expert_partial, group=tp_group)
             collectives += 1
         if _group_size(expert_dp_group) > 1:
-            experts = self.data[self._expert_complete.start :]
-            dist.all_reduce(experts, group=expert_dp_group)
+            if self._expert_complete.owners > 1:
+                for region in (self._expert_complete, self._expert_partial):
+                    collectives += self._reduce_scatter(region, expert_dp_group)
+            else:
+                experts = self.data[self._expert_complete.start :]
+                dist.all_reduce(experts, group=expert_dp_group)
+                collectives += 1
             dist.all_reduce(self.token_rows, group=expert_dp_group)
-            collectives += 2
+            collectives += 1
         return collectives
 
 

@@ -144,6 +144,13 @@ RL_LAYOUT_LOSS_REL_TOL = 1e-5
 # 1.5e-5).
 RL_LAYOUT_ALPHA_REL_TOL = 5e-4
 
+# bf16 vs fp32, e2e/test_precision_modes.py (and e2e/test_moe.py): over 6 steps at lr 2e-3 bf16
+# compute perturbs the loss by ~3e-4 relative (measured 2.6e-4) and the stored bf16 weights differ
+# from fp32 by rounding, ~1.4 bf16 ulps in per-tensor norm (measured 5.5e-3). Bounds: loss 1e-3;
+# weights 1.5e-2 (~4 ulps of 2^-8).
+BF16_VS_FP32_LOSS_REL_TOL = 1e-3
+BF16_VS_FP32_WEIGHT_NORM_REL_TOL = 1.5e-2
+
 # dp_sharded masters, e2e/test_precision_modes.py.
 # Sharded vs unsharded masters: the same fp32 arithmetic on the same rows; the DP=2 sketch sum
 # of two partial sums is exact. Measured 0; allow fp32 rounding.

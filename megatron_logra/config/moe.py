@@ -94,32 +94,8 @@ def check_moe_run(cfg: Any) -> None:
             f"an MoE model at parallel.tp={p.tp} needs model.add_bias_linear=false: Megatron "
             "supports expert biases only with expert tensor parallelism 1"
         )
-    if p.pp > 1:
-        raise ValueError(
-            f"an MoE model with parallel.pp={p.pp} is not supported yet (the MoE layer layout "
-            "per pipeline stage is not built or tested); use parallel.pp=1"
-        )
     if o.name == "lora":
         raise ValueError(
             "optimizer.name=lora does not adapt experts (its targets are dense linears); use "
             "optimizer.name=logra or a dense optimizer with an MoE model"
-        )
-    if o.name != "logra":
-        return
-    if m.params_dtype != "fp32":
-        raise ValueError(
-            f"LoGRA on an MoE model needs model.params_dtype=fp32 (got {m.params_dtype}): "
-            "masters sharded over the expert-data-parallel group are not built yet"
-        )
-    if cfg.logra.mode == "paper":
-        raise ValueError(
-            "logra.mode=paper is not supported on an MoE model yet (its joint update ratio "
-            "and relative row floor are not defined for experts that received no tokens); "
-            "use logra.mode=library"
-        )
-    if cfg.logra.kl_control.enabled and p.ep > 1:
-        raise ValueError(
-            f"logra.kl_control.enabled=true with parallel.ep={p.ep}: the KL probe has no "
-            "forward-mode rule for Megatron's expert all-to-all yet; use parallel.ep=1 or "
-            "disable logra.kl_control"
         )

@@ -62,6 +62,13 @@ class ParallelGroups:
     expert_mp: dist.ProcessGroup | None = None
     """Expert tensor x expert x pipeline parallel: every expert shard once (statistics)."""
 
+    @property
+    def expert_dp_size(self) -> int:
+        """Ranks holding the same experts (the dense DP size without experts)."""
+        if self.expert_dp is None:
+            return self.dp_size
+        return dist.get_world_size(self.expert_dp)
+
     def is_first_stage(self, chunk: int = 0) -> bool:
         """Whether model chunk ``chunk`` of this rank holds the first layers (the embedding)."""
         return self.pp_rank == 0 and chunk == 0

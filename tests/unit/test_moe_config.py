@@ -28,7 +28,6 @@ def test_an_moe_model_with_expert_parallelism_resolves():
          "model.moe_router_topk=3 exceeds model.num_moe_experts=2"),
         ([*MOE, "parallel.tp=2"], "needs parallel.sp=true"),
         ([*MOE, "optimizer.name=lora"], "optimizer.name=lora does not adapt experts"),
-        ([*MOE, "optimizer.name=logra", "logra.mode=paper"], "logra.mode=paper is not supported"),
         ([*MOE, "model.moe_token_dispatcher=flex"], "model.moe_token_dispatcher='flex'"),
     ],
 )

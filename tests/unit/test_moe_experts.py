@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_logra.direction import DirectionContext, RowAdamDirection
+from megatron_logra.direction import DirectionContext, PaperRowAdamDirection, RowAdamDirection
 from megatron_logra.mcore.optimizer.expert_state import (
     hold_idle_experts_,
     idle_experts,
@@ -41,11 +41,14 @@ def _step(buffer, rule, step, active, generator):
     return idle
 
 
-def test_an_expert_without_tokens_gets_no_direction_and_keeps_its_row_moments():
+@pytest.mark.parametrize("rule_class", [RowAdamDirection, PaperRowAdamDirection])
+def test_an_expert_without_tokens_gets_no_direction_and_keeps_its_row_moments(rule_class):
+    """Library and paper RowAdam alike (the paper's per-layer statistics, floor and norm
+    restoration are each expert's own: an idle expert's zero sketch must not reach them)."""
     generator = torch.Generator().manual_seed(0)
     buffer = FlatSketchBuffer([SketchSlot(k, ROWS, SKETCH_RANK, False, expert=True)
                                for k in KEYS], device="cpu")
-    rule = RowAdamDirection(buffer, beta2=0.95, eps=1e-8)
+    rule = rule_class(buffer, beta2=0.95, eps=1e-8)
     assert _step(buffer, rule, 1, KEYS, generator) == []
     after_first = {k: rule.moment(k).clone() for k in KEYS}
     assert all(bool((m > 0).all()) for m in after_first.values())
@@ -58,10 +61,28 @@ def test_an_expert_without_tokens_gets_no_direction_and_keeps_its_row_moments():
     assert bool((buffer.owned_view(KEYS[0]) != 0).any())
 
 
-def test_expert_slots_are_laid_out_after_the_dense_ones_and_refused_when_dp_sharded():
+def test_expert_slots_are_laid_out_after_the_dense_ones_and_sharded_over_expert_dp():
+    """Sharded masters: dense rows are split over DP, an expert's over its expert-data-parallel
+    group (here 2 ranks, or 1 at EP = DP, where each rank owns all rows of its experts); every
+    owner's pieces tile the layer's rows once."""
     slots = [SketchSlot("e", ROWS, SKETCH_RANK, False, expert=True),
              SketchSlot("d", ROWS, SKETCH_RANK, False)]
     buffer = FlatSketchBuffer(slots, device="cpu")
     assert [s.layer_key for s in buffer.slots] == ["d", "e"]
-    with pytest.raises(ValueError, match="expert sketches are replicated"):
-        FlatSketchBuffer(slots, device="cpu", dp_size=2, dp_rank=0)
+    for expert_dp in (1, 2):
+        owned = {"d": [], "e": []}
+        for rank in range(2):
+            sharded = FlatSketchBuffer(slots, device="cpu", dp_size=2, dp_rank=rank,
+                                       expert_dp_size=expert_dp, expert_dp_rank=rank % expert_dp)
+            assert sharded.owned_view("d").shape == (ROWS // 2, SKETCH_RANK)
+            assert sharded.owned_view("e").shape == (ROWS // expert_dp, SKETCH_RANK)
+            for key in owned:
+                owned[key] += [r for lo, hi in sharded.shards[key].ranges() for r in range(lo, hi)]
+            # The rows a backward accumulates cover the layer once, whoever owns them.
+            pieces = sharded.pieces("e")
+            assert sorted(r for p in pieces for r in range(p.row_start, p.row_end)) == list(
+                range(ROWS))
+        assert sorted(owned["d"]) == list(range(ROWS))
+        assert sorted(owned["e"]) == sorted(list(range(ROWS)) * (2 // expert_dp))
+    with pytest.raises(ValueError, match="shard both or neither"):
+        FlatSketchBuffer(slots, device="cpu", expert_dp_size=2, expert_dp_rank=0)

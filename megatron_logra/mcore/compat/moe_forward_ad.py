@@ -10,8 +10,8 @@ Added to the rules of :mod:`megatron_logra.mcore.compat.forward_ad` (installed w
 * ``mappings._AllToAll`` -- the expert-parallel dispatch / combine: the tangent of an all-to-all
   is the same all-to-all (same split sizes) of the tangent; at an expert-parallel size of one the
   primal returns its input as-is, and the rule then returns a view of the input tangent (trap 1
-  of ``forward_ad``). Written for completeness: the KL probe is tested at EP=1, and the config
-  refuses KL control with ``parallel.ep > 1`` until this rule is tested there.
+  of ``forward_ad``). Tested across ranks by the KL controller at EP=2 == EP=1
+  (tests/e2e/test_moe.py).
 
 Everything else on the MoE path (top-k, softmax, the permutation by ``index_select`` /
 ``scatter_add``, the experts' linears through the dense linear rules) is plain torch or covered.

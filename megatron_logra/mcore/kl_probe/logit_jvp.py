@@ -98,7 +98,12 @@ def _output_tangent(
     dtype = _compute_dtype(input_.dtype)
     left, right = direction.left.to(dtype), direction.right.to(dtype)
     projected = torch.matmul(input_.to(dtype), right.t())  # [s_local, b, k]
-    if isinstance(module, ColumnParallelLinear):
+    if getattr(module, "explicit_expert_comm", False):
+        # A routed expert's linear under expert or tensor parallelism: the token dispatcher
+        # does the communication (tokens in, partial outputs out) and the linear none, so its
+        # tangent is local too -- the dispatcher's own collectives carry it by their jvp rules.
+        tangent = torch.matmul(projected, left.t())  # [tokens, rows_local]
+    elif isinstance(module, ColumnParallelLinear):
         if module.gather_output:
             raise RuntimeError(
                 f"{target.layer_key} gathers its output over tensor parallelism; LoGRA targets "
@@ -108,10 +113,10 @@ def _output_tangent(
             projected = all_gather_first_dim(projected, group)
         tangent = torch.matmul(projected, left.t())  # [s, b, rows_local]
     elif isinstance(module, RowParallelLinear):
-        if not module.input_is_parallel or module.explicit_expert_comm:
+        if not module.input_is_parallel:
             raise RuntimeError(
-                f"{target.layer_key}: only row-parallel linears with input_is_parallel=True and "
-                "no expert communication can be probed"
+                f"{target.layer_key}: only row-parallel linears with input_is_parallel=True "
+                "can be probed"
             )
         tangent = torch.matmul(projected, left.t())  # [s_local_or_s, b, m] partial sum
         if tp > 1:

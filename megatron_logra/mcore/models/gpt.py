@@ -27,6 +27,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from megatron_logra.config import Config, ModelConfig
 from megatron_logra.config.moe import is_moe_layer
@@ -104,13 +105,14 @@ def transformer_config(cfg: Config, device: torch.device) -> TransformerConfig:
 
 
 def gpt_layer_spec(
-    m: ModelConfig, sequence_parallel: bool, layers_per_chunk: int
+    m: ModelConfig, sequence_parallel: bool, layers_per_chunk: int, first_layer: int = 0
 ) -> ModuleSpec | TransformerBlockSubmodules:
     """Megatron's local GPT layer spec with sketch-capable linears, SP-capable norms and the
     core attention of ``model.attention`` (``te`` also takes Transformer Engine's norms).
 
     ``layers_per_chunk`` is the number of decoder layers one model chunk builds (a block spec
-    lists exactly the layers of its pipeline stage; Megatron numbers them globally).
+    lists exactly the layers of its pipeline stage; Megatron numbers them globally), the first
+    of them global layer ``first_layer`` (0-based; it decides which of them are MoE layers).
     """
     spec = copy.deepcopy(get_gpt_layer_local_spec(normalization=m.normalization))
     layer = spec.submodules
@@ -128,10 +130,11 @@ def gpt_layer_spec(
     layer.pre_mlp_layernorm = norm
     if m.num_moe_experts is not None:
         # Megatron's MoE layer (router, dispatcher, sketch-capable SequentialMLP experts) in
-        # every model.moe_layer_freq-th layer; MoE models have one pipeline stage.
+        # every model.moe_layer_freq-th *global* layer: the chunk's layers are first_layer on.
         moe_spec = copy.deepcopy(spec)
         moe_spec.submodules.mlp = moe_mlp_spec()
-        layer_specs = [moe_spec if is_moe_layer(m, i) else spec for i in range(m.num_layers)]
+        layer_specs = [moe_spec if is_moe_layer(m, first_layer + i) else spec
+                       for i in range(layers_per_chunk)]
         return TransformerBlockSubmodules(layer_specs=layer_specs, layer_norm=norm)
     if not sequence_parallel and m.attention != "te":
         return spec
@@ -160,7 +163,10 @@ def build_model_chunks(
         model = GPTModel(
             config=config,
             transformer_layer_spec=gpt_layer_spec(
-                m, cfg.parallel.sp, m.num_layers // (groups.pp_size * groups.vpp_size)
+                m, cfg.parallel.sp, m.num_layers // (groups.pp_size * groups.vpp_size),
+                # Megatron's own offset of this chunk's first layer (0-based).
+                get_transformer_layer_offset(config, chunk if groups.vpp_size > 1 else None,
+                                             groups.pp_rank),
             ),
             vocab_size=padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by),
             max_sequence_length=m.seq_length,

@@ -21,11 +21,13 @@ Two things, both kept out of the optimizer's main path:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from megatron_logra.mcore.models.targets import SketchTarget
+from megatron_logra.mcore.process_groups import ParallelGroups
 from megatron_logra.sketch_buffer import FlatSketchBuffer
 
 
@@ -36,10 +38,13 @@ def model_sum(
     stats_group: dist.ProcessGroup | None,
     expert_group: dist.ProcessGroup | None,
     device: torch.device,
+    model_has_experts: bool,
 ) -> float:
     """``sum over the model`` of ``per_target``: dense targets' shares summed over
-    ``stats_group``, experts' over ``expert_group``. Collective (the same calls on every rank:
-    every rank of an MoE model holds experts)."""
+    ``stats_group``, experts' over ``expert_group`` (None: the whole world, where every rank
+    holds a distinct share -- sharded masters). Collective: the same calls on every rank; in
+    an MoE model (``model_has_experts``) that includes the ranks without experts (a pipeline
+    stage of dense layers only), which add zero."""
     dense = torch.zeros((), dtype=torch.float64, device=device)
     experts = torch.zeros((), dtype=torch.float64, device=device)
     for target in targets:
@@ -50,12 +55,30 @@ def model_sum(
             dense += value
     if dist.is_initialized() and dist.get_world_size(stats_group) > 1:
         dist.all_reduce(dense, group=stats_group)
-    if any(target.expert for target in targets):
-        if expert_group is None and dist.is_initialized() and dist.get_world_size() > 1:
-            raise RuntimeError("expert statistics need the expert model-parallel group")
+    if model_has_experts:
         if dist.is_initialized() and dist.get_world_size(expert_group) > 1:
             dist.all_reduce(experts, group=expert_group)
     return float((dense + experts).item())
+
+
+def expert_row_groups(groups: ParallelGroups, *, sharded: bool) -> dict[bool, Any]:
+    """The groups holding an expert layer's rows, keyed by ``tp_partial`` (as the direction
+    context's ``row_groups``): column-parallel rows split over expert TP (= TP) and, with sharded
+    masters, over expert-DP; row-parallel rows over expert-DP when sharded. The paper's row
+    statistics are sums and minima, so reducing over the two groups in turn is reducing over
+    their product (one tuple object, so the layers sharing it batch their collectives)."""
+    column = tuple(g for g, split in ((groups.tp, groups.tp_size > 1),
+                                      (groups.expert_dp, sharded)) if split)
+    return {False: column or None, True: (groups.expert_dp,) if sharded else None}
+
+
+def model_has_experts(targets: Sequence[SketchTarget], device: torch.device) -> bool:
+    """Whether any rank holds expert targets (collective over the world, once at construction):
+    under pipeline parallelism a stage may have none while the model has them."""
+    flag = torch.tensor([1.0 if any(t.expert for t in targets) else 0.0], device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item() > 0)
 
 
 def idle_experts(targets: Sequence[SketchTarget], sketches: FlatSketchBuffer) -> list[str]:

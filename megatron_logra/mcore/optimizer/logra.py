@@ -48,8 +48,10 @@ from megatron_logra.logra_mode import LoGRAMode
 from megatron_logra.master_weights import RowMaster, master_weights_mode
 from megatron_logra.mcore.models.targets import SketchTarget
 from megatron_logra.mcore.optimizer.expert_state import (
+    expert_row_groups,
     hold_idle_experts_,
     idle_experts,
+    model_has_experts,
     model_sum,
     row_moments_of,
 )
@@ -93,7 +95,8 @@ class LoGRAOptimizer(MegatronOptimizer):
       updates all rows (the sketch buffer is all-reduced).
     * ``dp_sharded`` / ``remainder`` / ``host``: bf16 parameters with exact masters sharded over
       the data-parallel group by whole rows (fp32 rows on the device, int16 remainders on the
-      device, fp32 rows in host memory). The sketch buffer is reduce-scattered, each rank
+      device, fp32 rows in host memory); a routed expert's over its expert-data-parallel group
+      (the ranks that hold the same experts). The sketch buffer is reduce-scattered, each rank
       applies RowAdam and the update to the rows it owns, and the updated bf16 rows are
       all-gathered. The three give bit-identical weights.
 
@@ -168,6 +171,9 @@ class LoGRAOptimizer(MegatronOptimizer):
             device=targets[0].weight.device,
             dp_size=groups.dp_size if sharded else 1,
             dp_rank=groups.dp_rank if sharded else 0,
+            # Experts' masters are sharded over the ranks that hold the same experts.
+            expert_dp_size=groups.expert_dp_size if sharded else 1,
+            expert_dp_rank=groups.expert_dp_rank if sharded else 0,
         )
         self.masters: dict[str, RowMaster] = {}
         for target in self.targets:
@@ -177,8 +183,11 @@ class LoGRAOptimizer(MegatronOptimizer):
             if master is not None:
                 self.masters[target.layer_key] = master
         # Sketch statistics: replicated sketches are summed over model parallelism only; sharded
-        # ones hold distinct rows on every DP rank as well.
+        # ones hold distinct rows on every DP rank as well (experts': on every expert-DP rank, so
+        # every rank of the world holds a distinct share).
         self.stats_group = None if sharded else groups.mp
+        self.expert_stats_group = None if sharded else groups.expert_mp
+        self.model_has_experts = model_has_experts(self.targets, targets[0].weight.device)
         self.direction: DirectionRule = make_direction_rule(
             mode.direction(logra.direction), self.sketches, beta2=logra.beta2, eps=logra.eps
         )
@@ -190,6 +199,7 @@ class LoGRAOptimizer(MegatronOptimizer):
             else None,
             True: groups.dp if sharded else None,
         }
+        self.expert_row_groups = expert_row_groups(groups, sharded=sharded)
         self._prepared = False
         self._idle: list[str] = []
         """Expert targets that received no token in the prepared update."""
@@ -280,7 +290,8 @@ class LoGRAOptimizer(MegatronOptimizer):
     def _model_sum(self, per_target: Callable[[SketchTarget], Any]) -> float:
         """A model-wide sum of per-target shares (experts' over their own groups)."""
         return model_sum(self.targets, per_target, stats_group=self.stats_group,
-                         expert_group=self.groups.expert_mp, device=self.sketches.data.device)
+                         expert_group=self.expert_stats_group, device=self.sketches.data.device,
+                         model_has_experts=self.model_has_experts)
 
     @torch.no_grad()
     def clip_sketches_(self, max_norm: float, total_norm: float) -> None:
@@ -384,7 +395,8 @@ class LoGRAOptimizer(MegatronOptimizer):
         try:
             self.direction.apply_(
                 self.sketches,
-                DirectionContext(step=self.update_count + 1, row_groups=self.row_groups),
+                DirectionContext(step=self.update_count + 1, row_groups=self.row_groups,
+                                 expert_row_groups=self.expert_row_groups),
             )
             hold_idle_experts_(self.direction, self.sketches, idle_moments, self._idle)
         except Exception:
@@ -418,8 +430,14 @@ class LoGRAOptimizer(MegatronOptimizer):
     @torch.no_grad()
     def _weight_sq_norm(self) -> float:
         """``||W_targets||_F^2`` from the fp32 masters (or the fp32 weights), every share once,
-        in float64 by row blocks (no float64 copy of a whole weight)."""
+        in float64 by row blocks (no float64 copy of a whole weight).
+
+        Over the weights this update moves: an expert that received no token is left out (it
+        gets no update), so the paper's ratio is the relative change of what changes, whatever
+        the routing left idle (docs/moe.md)."""
         def share(target: SketchTarget) -> Any:
+            if target.layer_key in self._idle:
+                return 0.0
             master = self.masters.get(target.layer_key)
             rows = norm_block_rows(target.weight.shape[1])
             blocks = (master.fp32_row_blocks(rows) if master is not None
@@ -446,7 +464,8 @@ class LoGRAOptimizer(MegatronOptimizer):
         if not self._prepared:
             raise RuntimeError("prepare_update() first")
         lr, _ = self._step_size()
-        full = self.sketches.gathered_data(dp_group=self.groups.dp)
+        full = self.sketches.gathered_data(dp_group=self.groups.dp,
+                                           expert_dp_group=self.groups.expert_dp)
         directions = {}
         for target in self.targets:
             pieces = self.sketches.pieces(target.layer_key, data=full)
@@ -539,7 +558,7 @@ class LoGRAOptimizer(MegatronOptimizer):
                                        weight_decay=weight_decay)
             else:
                 master.merge_(target.weight, direction, projection, lr=step_lr,
-                              weight_decay=weight_decay, dp_group=self.groups.dp)
+                              weight_decay=weight_decay, dp_group=self.master_group(target))
         self._synchronize()
         self.last_merge_time_s = time.perf_counter() - merge_start
         self.update_count += 1
@@ -551,6 +570,10 @@ class LoGRAOptimizer(MegatronOptimizer):
             self.refresh_projections()
         if self.update_listener is not None:
             self.update_listener(records)
+
+    def master_group(self, target: SketchTarget) -> Any:
+        """The group a target's master rows are sharded over (and its bf16 rows gathered)."""
+        return self.groups.expert_dp if target.expert else self.groups.dp
 
     def _sync_record(self, target: SketchTarget, factor_OR: torch.Tensor, step_lr: float,
                      weight_decay: float) -> LowRankUpdate:
