@@ -40,11 +40,3 @@ def test_moe_settings_that_cannot_act_are_refused_with_the_fix(overrides, messag
 def test_ep_must_divide_the_data_parallel_size():
     with pytest.raises(ValueError, match="must divide the data-parallel size 1"):
         _resolved(*MOE, "parallel.ep=2", world=1)
-
-
-def test_the_memory_estimator_refuses_an_moe_model_instead_of_leaving_out_its_experts():
-    from megatron_logra.memory.shapes import shape_from_model_config
-
-    with pytest.raises(ValueError, match="model.num_moe_experts=4: the whole-model estimate has "
-                                         "no expert terms yet"):
-        shape_from_model_config(_resolved(*MOE).model, vocab_size=96)
