@@ -55,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ffn", type=int, default=3072, help="ffn hidden size (SwiGLU)")
     parser.add_argument("--vocab", type=int, default=1024)
     parser.add_argument("--rank", type=int, default=64, help="LoRA rank = LoGRA sketch rank")
+    parser.add_argument("--qk-layernorm", action="store_true", help="model.qk_layernorm=true")
     moe = parser.add_argument_group("mixture of experts (an MoE bench model)")
     moe.add_argument("--experts", type=int, help="model.num_moe_experts (default: dense)")
     moe.add_argument("--topk", type=int, default=2, help="model.moe_router_topk")
@@ -95,6 +96,7 @@ def overrides(args: argparse.Namespace, *, method: str, dtype: str, attention: s
         f"lora.lora_rank={args.rank}", f"lora.alpha={2 * args.rank}",
         f"logra.sketch_rank={args.rank}", f"logra.kl_control.probe_max_tokens={seq_length}",
         *METHOD_OVERRIDES[method], *moe_overrides(args),
+        *(["model.qk_layernorm=true"] if args.qk_layernorm else []),
     ]
 
 

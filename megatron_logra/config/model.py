@@ -35,6 +35,10 @@ class ModelConfig:
     rotary_base: int = 10000
     add_bias_linear: bool = True
     add_qkv_bias: bool = False
+    qk_layernorm: bool = False
+    """Normalise every query and key head over its head width before the rotary embedding
+    (Megatron's q_layernorm / k_layernorm, ``model.normalization`` kind; Qwen3's q_norm /
+    k_norm). Their weights are trained by the native optimizer, as the other norms."""
     untie_embeddings: bool = True
     init_method_std: float = 0.02
     layernorm_epsilon: float = 1e-5

@@ -172,6 +172,7 @@ def built_layer_terms(
         shape, T_s, weight_trained=norms_trained)
     terms["linear_qkv_input"], terms["linear_qkv_lowrank"] = linear("linear_qkv")
     terms["qkv_output"] = built_layer.qkv_output_bytes(shape, layout, e)
+    terms["qk_norm"] = built_layer.qk_norm_saved_bytes(shape, layout, e)
     terms["rotary"] = built_layer.rotary_bytes(shape, layout, e)
     if recompute == "none":
         terms["core_attention"] = built_layer.core_attention_bytes(

@@ -308,6 +308,7 @@ def shape_from_model_config(model: ModelConfig, *, vocab_size: int, name: str = 
         qkv_bias=model.add_qkv_bias,
         linear_bias=model.add_bias_linear,
         normalization=model.normalization,
+        qk_norm=model.qk_layernorm,
         learned_positions=model.seq_length if model.position_embedding == "learned_absolute" else 0,
         # Our transformer config sets hidden_dropout = attention_dropout = 0.
         dropout=False,
