@@ -6,7 +6,7 @@ sketch-capable linears) beside :func:`megatron_logra.memory.from_config.estimate
 of the same config, for dense Adam and LoGRA (library mode; paper mode, LoRA and bf16 LoGRA
 are refused for MoE by the trainer), per recompute mode. Two bench models:
 
-* ``routed``: every layer MoE, 8 experts top-2, no shared expert, q/k norms (the Qwen3-MoE
+* ``routed``: every layer MoE, 4 experts top-2, no shared expert, q/k norms (the Qwen3-MoE
   layout);
 * ``shared``: layer 0 MoE with a shared expert, layer 1 dense (``moe_layer_freq=2``);
 * ``qk_bf16``: a dense GPT with q/k norms in bf16 (whose fp32 copies of q and k the norms
@@ -32,7 +32,7 @@ TOLERANCE = 0.10
 BASE = ["--layers", "2", "--hidden", "64", "--ffn", "128", "--heads", "4", "--vocab", "128",
         "--rank", "8", "--seq-lengths", "256"]
 MODELS = {
-    "routed": ["--experts", "8", "--topk", "2", "--expert-ffn", "48", "--qk-layernorm"],
+    "routed": ["--experts", "4", "--topk", "2", "--expert-ffn", "48", "--qk-layernorm"],
     "shared": ["--experts", "4", "--topk", "2", "--expert-ffn", "48", "--shared-ffn", "64",
                "--moe-layer-freq", "2"],
     "qk_bf16": ["--qk-layernorm"],
@@ -84,7 +84,7 @@ def test_the_moe_terms_are_a_quarter_of_the_routed_models_measured_peak(rows):
     shape = ModelShape(name="routed", num_layers=2, hidden_size=64, ffn_hidden_size=128,
                        num_attention_heads=4, num_query_groups=4, head_dim=16, vocab_size=128,
                        make_vocab_size_divisible_by=1, qk_norm=True,
-                       moe=MoESpec(num_experts=8, topk=2, expert_ffn_hidden_size=48))
+                       moe=MoESpec(num_experts=4, topk=2, expert_ffn_hidden_size=48))
     layout = Layout(seq_length=256, attention="sdpa", recompute="none")
     modes = dict.fromkeys(("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"), "sketched")
     terms = moe_layer.moe_mlp_terms(shape, layout, element_bytes=4, linear_modes=modes, rank=8,
