@@ -414,8 +414,9 @@ def _check_logra_moe(shape: ModelShape, precision: str, non_targets: str, paper_
         raise ValueError(f"{shape.name} has experts: LoGRA precision={precision!r} is not "
                          f"estimated for experts; choose one of {list(EXPERT_LOGRA_PRECISIONS)}")
     if paper_mode or non_targets != "adam":
-        raise ValueError(f"{shape.name} has experts: LoGRA's paper mode is refused for MoE by "
-                         "the trainer (docs/moe.md); estimate library mode (non_targets='adam')")
+        raise ValueError(f"{shape.name} has experts: LoGRA's paper mode (frozen non-targets, "
+                         "the update ratio's weight norms) is not modelled for experts; "
+                         "estimate library mode (non_targets='adam')")
     if not {"linear_fc1", "linear_fc2"} <= set(targets):
         raise ValueError(f"{shape.name} has experts: the experts' fc1 and fc2 are always "
                          "sketched (they never get a dense gradient); keep linear_fc1 and "

@@ -483,5 +483,5 @@ class Layout:
                 raise ValueError(f"{shape.name}: {argument}={value} is not divisible by "
                                  f"expert tp = tp = {self.tp}; choose a tp that divides it")
         if self.pp > 1:
-            raise ValueError(f"{shape.name} has experts and Layout.pp={self.pp}: pipelines "
-                             "with experts are refused by the trainer (docs/moe.md); use pp=1")
+            raise ValueError(f"{shape.name} has experts and Layout.pp={self.pp}: pipeline "
+                             "stages with experts are not modelled by the estimate; use pp=1")
