@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     moe.add_argument("--shared-ffn", type=int,
                      help="model.moe_shared_expert_ffn_hidden_size (default: none)")
     moe.add_argument("--moe-layer-freq", type=int, default=1, help="model.moe_layer_freq")
+    moe.add_argument("--router-pre-softmax", action="store_true",
+                     help="model.moe_router_pre_softmax=true")
+    moe.add_argument("--shared-gate", action="store_true", help="model.moe_shared_expert_gate=true")
     parser.add_argument("--seq-lengths", default="2048", help="comma-separated, batch 1 each")
     parser.add_argument("--dtypes", default="fp32,bf16", help="model.params_dtype values")
     parser.add_argument("--attention", default="sdpa", help="model.attention values")
@@ -110,6 +113,10 @@ def moe_overrides(args: argparse.Namespace) -> list[str]:
         out.append(f"model.moe_ffn_hidden_size={args.expert_ffn}")
     if args.shared_ffn is not None:
         out.append(f"model.moe_shared_expert_ffn_hidden_size={args.shared_ffn}")
+    if args.router_pre_softmax:
+        out.append("model.moe_router_pre_softmax=true")
+    if args.shared_gate:
+        out.append("model.moe_shared_expert_gate=true")
     return out
 
 

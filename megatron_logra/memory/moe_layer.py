@@ -73,8 +73,11 @@ def moe_mlp_terms(shape: ModelShape, layout: Layout, *, element_bytes: int,
     # The router's gating linear keeps the norm's output (its weight is trained); a dense shared
     # expert's fc1 keeps the same storage.
     terms["router_input"] = e * T_s * h
-    # Top-k: the selected experts' indices (int64) and the softmax over their logits.
+    # Top-k: the selected experts' indices (int64) and the softmax over their logits, or
+    # (pre-softmax) the softmax over all experts' logits.
     terms["router_topk"] = (TOKEN_ID_BYTES + e) * T_s * moe.topk
+    if moe.router_pre_softmax:
+        terms["router_topk"] += e * T_s * moe.num_experts
     # The dispatcher's permutation keeps the routing map, the probabilities scattered to
     # [E, T] and the sorted token indices of the k T copies.
     terms["dispatch_maps"] = ((ROUTING_MAP_BYTES + e) * moe.num_experts * T_s
@@ -94,6 +97,11 @@ def moe_mlp_terms(shape: ModelShape, layout: Layout, *, element_bytes: int,
                                else _mlp_saved(fc1_mode, tokens=T_s, width=h, rank=rank, e=e))
         terms["shared_gated_mlp"] = _unfused_mlp_bytes(shape, T, fs, e)
         terms["shared_fc2"] = _mlp_saved(fc2_mode, tokens=T, width=fs, rank=rank, e=e)
+        if moe.shared_expert_gate:
+            # sigmoid(x w) * shared: the product keeps the shared output [T_s, h] and the
+            # [T_s, 1] score (the sigmoid keeps it too: one storage); the gate's input is the
+            # norm output, counted above.
+            terms["shared_gate"] = e * T_s * h + e * T_s
     return {name: value for name, value in terms.items() if value}
 
 

@@ -88,6 +88,10 @@ class MoESpec:
     shared_expert_ffn_hidden_size: int = 0
     """0: no shared expert."""
     layer_freq: int = 1
+    router_pre_softmax: bool = False
+    """A softmax over all experts before the top k (``model.moe_router_pre_softmax``)."""
+    shared_expert_gate: bool = False
+    """The shared expert's sigmoid gate (``model.moe_shared_expert_gate``)."""
 
     def __post_init__(self) -> None:
         for argument in ("num_experts", "topk", "expert_ffn_hidden_size", "layer_freq"):
@@ -289,7 +293,9 @@ def shape_from_model_config(model: ModelConfig, *, vocab_size: int, name: str = 
         moe = MoESpec(num_experts=model.num_moe_experts, topk=model.moe_router_topk,
                       expert_ffn_hidden_size=expert_ffn_width(model),
                       shared_expert_ffn_hidden_size=model.moe_shared_expert_ffn_hidden_size or 0,
-                      layer_freq=model.moe_layer_freq)
+                      layer_freq=model.moe_layer_freq,
+                      router_pre_softmax=model.moe_router_pre_softmax,
+                      shared_expert_gate=model.moe_shared_expert_gate)
     padded = math.ceil(vocab_size / model.make_vocab_size_divisible_by)
     padded *= model.make_vocab_size_divisible_by
     return ModelShape(

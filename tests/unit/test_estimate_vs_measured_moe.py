@@ -8,7 +8,8 @@ are refused for MoE by the trainer), per recompute mode. Two bench models:
 
 * ``routed``: every layer MoE, 4 experts top-2, no shared expert, q/k norms (the Qwen3-MoE
   layout);
-* ``shared``: layer 0 MoE with a shared expert, layer 1 dense (``moe_layer_freq=2``);
+* ``shared``: layer 0 MoE with a gated shared expert and pre-softmax routing (the Qwen2-MoE
+  layout), layer 1 dense (``moe_layer_freq=2``);
 * ``qk_bf16``: a dense GPT with q/k norms in bf16 (whose fp32 copies of q and k the norms
   keep: the one q/k norm term that fp32 does not show).
 
@@ -34,7 +35,7 @@ BASE = ["--layers", "2", "--hidden", "64", "--ffn", "128", "--heads", "4", "--vo
 MODELS = {
     "routed": ["--experts", "4", "--topk", "2", "--expert-ffn", "48", "--qk-layernorm"],
     "shared": ["--experts", "4", "--topk", "2", "--expert-ffn", "48", "--shared-ffn", "64",
-               "--moe-layer-freq", "2"],
+               "--moe-layer-freq", "2", "--router-pre-softmax", "--shared-gate"],
     "qk_bf16": ["--qk-layernorm"],
 }
 # sdpa keeps nothing quadratic: selective recompute differs from none only in what the

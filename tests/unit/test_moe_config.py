@@ -30,6 +30,10 @@ def test_an_moe_model_with_expert_parallelism_resolves():
         ([*MOE, "optimizer.name=lora"], "optimizer.name=lora does not adapt experts"),
         ([*MOE, "optimizer.name=logra", "logra.mode=paper"], "logra.mode=paper is not supported"),
         ([*MOE, "model.moe_token_dispatcher=flex"], "model.moe_token_dispatcher='flex'"),
+        (["model.moe_router_pre_softmax=true"],
+         "model.moe_router_pre_softmax=True only acts in an MoE model"),
+        ([*MOE, "model.moe_shared_expert_gate=true"],
+         "model.moe_shared_expert_gate=true gates a shared expert, but there is none"),
     ],
 )
 def test_moe_settings_that_cannot_act_are_refused_with_the_fix(overrides, message):

@@ -1,6 +1,6 @@
 """Hugging Face (Qwen2 / Llama / Qwen3 / Qwen3-MoE, safetensors) <-> Megatron checkpoints: the
 config mapping (:mod:`.hf_config`), the fused-row layouts (:mod:`.hf_layout`), the q/k norms and
-experts (:mod:`.hf_qwen3`, whose tensor mappings are the entry points for every family) and the
+experts (:mod:`.hf_moe`, whose tensor mappings are the entry points for every family) and the
 files and weights (:mod:`.hf`). ``tools/convert_hf.py`` is the command line."""
 
 from megatron_logra.mcore.conversion.hf import (
@@ -33,7 +33,7 @@ from megatron_logra.mcore.conversion.hf_config import (
     params_dtype_for,
 )
 from megatron_logra.mcore.conversion.hf_layout import fuse_qkv, split_qkv
-from megatron_logra.mcore.conversion.hf_qwen3 import (
+from megatron_logra.mcore.conversion.hf_moe import (
     hf_tensors_from_megatron,
     megatron_full_tensor,
 )

@@ -34,7 +34,7 @@ from safetensors.torch import save_file
 from megatron_logra.config import ModelConfig
 from megatron_logra.mcore.checkpointing.digest import is_model_key
 from megatron_logra.mcore.conversion.hf_config import HFArchitecture
-from megatron_logra.mcore.conversion.hf_qwen3 import megatron_full_tensor
+from megatron_logra.mcore.conversion.hf_moe import megatron_full_tensor
 from megatron_logra.mcore.models.gpt import gpt_layer_spec, padded_vocab_size
 from megatron_logra.mcore.models.sharding import (
     full_shape,

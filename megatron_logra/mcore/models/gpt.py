@@ -205,7 +205,8 @@ def _init_rule(name: str, m: ModelConfig) -> tuple[str, float]:
         # Megatron's scaled init for the two linears that write into the residual stream.
         return "normal", m.init_method_std / math.sqrt(2.0 * m.num_layers)
     if name.endswith(
-        ("router.weight", "linear_qkv.weight", "linear_fc1.weight", "word_embeddings.weight",
+        ("router.weight", "shared_experts.gate_weight", "linear_qkv.weight",
+         "linear_fc1.weight", "word_embeddings.weight",
          "position_embeddings.weight", "output_layer.weight")
     ):
         return "normal", m.init_method_std

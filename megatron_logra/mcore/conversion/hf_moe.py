@@ -1,4 +1,4 @@
-"""Qwen3 and Qwen3-MoE tensors <-> Megatron's: the per-head q/k norms and the routed experts.
+"""Qwen3, Qwen3-MoE and Qwen2-MoE tensors <-> Megatron's: q/k norms, routed and shared experts.
 
 What the Qwen2 / Llama layouts (:mod:`.hf_layout`) do not cover, and the entry points that add
 it for every family (the converter and the weight loader call these, not :mod:`.hf_layout`
@@ -11,13 +11,19 @@ directly):
   ``mlp.router.weight``, and expert ``E``'s ``gate_proj`` / ``up_proj`` / ``down_proj`` are
   ``mlp.experts.local_experts.<E>.linear_fc1`` (``[gate; up]``, as the dense fc1) and
   ``linear_fc2``, ``E`` the expert's global index (parameters are named globally whatever the
-  expert-parallel size, :mod:`megatron_logra.mcore.models.moe`).
+  expert-parallel size, :mod:`megatron_logra.mcore.models.moe`);
+* Qwen2-MoE's ``mlp.shared_expert.{gate,up,down}_proj`` are the shared expert's
+  ``mlp.shared_experts.linear_fc1`` (``[gate; up]``) / ``linear_fc2``, and its
+  ``mlp.shared_expert_gate`` (``[1, hidden]``, ``sigmoid(x w)`` scales the shared output per
+  token on both sides) is ``mlp.shared_experts.gate_weight`` (``model.moe_shared_expert_gate``).
 
 Routing: Qwen3-MoE takes a softmax over all experts' logits, keeps the top k and divides them by
 their sum (``norm_topk_prob=true``); Megatron's default top-k router keeps the k largest logits
 and takes a softmax over them. Softmax is monotonic, so both select the same experts, and
 ``exp(l_i) / sum_top-k exp(l_j)`` is both weights (checked numerically in
-tests/unit/test_hf_qwen3.py). ``norm_topk_prob=false`` is refused (:mod:`.hf_config`).
+tests/unit/test_hf_moe.py). Qwen2-MoE's ``norm_topk_prob=false`` keeps the top k of the
+softmax over all experts as they are: Megatron's ``moe_router_pre_softmax``
+(``model.moe_router_pre_softmax``).
 """
 
 from __future__ import annotations
@@ -37,12 +43,23 @@ QK_NORM_RENAMES: dict[str, str] = {
     "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
 }
 ROUTER_RENAMES: dict[str, str] = {"mlp.router.weight": "mlp.gate.weight"}
+SHARED_EXPERT_RENAMES: dict[str, str] = {
+    "mlp.shared_experts.linear_fc2.weight": "mlp.shared_expert.down_proj.weight",
+    "mlp.shared_experts.gate_weight": "mlp.shared_expert_gate.weight",
+}
+_SHARED_FC1 = "mlp.shared_experts.linear_fc1.weight"
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
 
 
 def _renames(arch: HFArchitecture) -> dict[str, str]:
+    shared = arch.moe is not None and arch.moe.shared_ffn_hidden_size is not None
     return ({**(QK_NORM_RENAMES if arch.qk_norm else {}),
-             **(ROUTER_RENAMES if arch.moe is not None else {})})
+             **(ROUTER_RENAMES if arch.moe is not None else {}),
+             **(SHARED_EXPERT_RENAMES if shared else {})})
+
+
+def _has_shared(arch: HFArchitecture) -> bool:
+    return arch.moe is not None and arch.moe.shared_ffn_hidden_size is not None
 
 
 def megatron_full_tensor(
@@ -56,6 +73,9 @@ def megatron_full_tensor(
         renames = _renames(arch)
         if suffix in renames:
             return read(p + renames[suffix])
+        if suffix == _SHARED_FC1 and _has_shared(arch):
+            s = f"{p}mlp.shared_expert."
+            return torch.cat([read(s + "gate_proj.weight"), read(s + "up_proj.weight")])
         expert = _EXPERT.match(suffix) if arch.moe is not None else None
         if expert is not None:
             e = f"{p}mlp.experts.{expert.group(1)}."
@@ -83,6 +103,9 @@ def hf_tensors_from_megatron(
         expert = _EXPERT.match(suffix) if arch.moe is not None else None
         if suffix in renames:
             out[p + renames[suffix]] = tensor
+        elif suffix == _SHARED_FC1 and _has_shared(arch):
+            s = f"{p}mlp.shared_expert."
+            out[s + "gate_proj.weight"], out[s + "up_proj.weight"] = torch.chunk(tensor, 2)
         elif expert is not None:
             e = f"{p}mlp.experts.{expert.group(1)}."
             if expert.group(2) == "linear_fc1":
@@ -123,8 +146,9 @@ def _moe_rest(rest: dict[str, torch.Tensor], dense: HFArchitecture) -> dict[str,
             out.update({f"{p}self_attn.q_proj.{kind}": q, f"{p}self_attn.k_proj.{kind}": k,
                         f"{p}self_attn.v_proj.{kind}": v})
     if layers:
-        raise ValueError(f"Megatron tensors {sorted(layers)[:5]} have no place in a qwen3_moe "
-                         "checkpoint; the checkpoint and config.json describe different models")
+        raise ValueError(f"Megatron tensors {sorted(layers)[:5]} have no place in a "
+                         f"{dense.model_type} checkpoint; the checkpoint and config.json "
+                         "describe different models")
     outer = {name: t for name, t in rest.items() if not LAYER_NAME.match(name)}
     out.update(hf_layout.hf_tensors_from_megatron(
         outer, dataclasses.replace(dense, num_layers=0)))

@@ -1,6 +1,6 @@
-"""Qwen3 / Qwen3-MoE config.json mapping (no weights): the routing claim the conversion rests on,
-the fields it derives, and what it refuses. The weights and logits are
-tests/e2e/test_hf_conversion_qwen3.py."""
+"""Qwen3 / Qwen3-MoE / Qwen2-MoE config.json mapping (no weights): the routing claim the
+conversion rests on, the fields it derives, and what it refuses. The weights and logits are
+tests/e2e/test_hf_conversion_moe.py."""
 
 from __future__ import annotations
 
@@ -53,10 +53,24 @@ def test_qwen3_moe_config_maps_to_qk_norms_and_experts():
     assert model_config_from_hf(dense, params_dtype="fp32").num_moe_experts is None
 
 
+def test_qwen2_moe_maps_to_pre_softmax_routing_and_a_gated_shared_expert():
+    config = {**QWEN3_MOE, "model_type": "qwen2_moe", "norm_topk_prob": False,
+              "shared_expert_intermediate_size": 40}
+    config.pop("head_dim")
+    arch = architecture_from_hf_config(config)
+    model = model_config_from_hf(arch, params_dtype="fp32")
+    assert (model.qk_layernorm, model.add_qkv_bias, model.moe_router_pre_softmax,
+            model.moe_shared_expert_ffn_hidden_size, model.moe_shared_expert_gate) == (
+        False, True, True, 40, True)
+    assert "model.layers.0.mlp.shared_expert_gate.weight" in arch.hf_names()
+    # Renormalised top-k (norm_topk_prob=true) is Megatron's default router in either family.
+    assert not model_config_from_hf(architecture_from_hf_config(
+        {**config, "norm_topk_prob": True}), params_dtype="fp32").moe_router_pre_softmax
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"norm_topk_prob": False}, "norm_topk_prob=false"),
         ({"decoder_sparse_step": 2}, "decoder_sparse_step=2"),
         ({"mlp_only_layers": [1]}, r"mlp_only_layers=\[1\]"),
         ({"head_dim": 16}, "head_dim=16 differs"),
