@@ -55,6 +55,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ffn", type=int, default=3072, help="ffn hidden size (SwiGLU)")
     parser.add_argument("--vocab", type=int, default=1024)
     parser.add_argument("--rank", type=int, default=64, help="LoRA rank = LoGRA sketch rank")
+    parser.add_argument("--qk-layernorm", action="store_true", help="model.qk_layernorm=true")
+    moe = parser.add_argument_group("mixture of experts (an MoE bench model)")
+    moe.add_argument("--experts", type=int, help="model.num_moe_experts (default: dense)")
+    moe.add_argument("--topk", type=int, default=2, help="model.moe_router_topk")
+    moe.add_argument("--expert-ffn", type=int, help="model.moe_ffn_hidden_size")
+    moe.add_argument("--shared-ffn", type=int,
+                     help="model.moe_shared_expert_ffn_hidden_size (default: none)")
+    moe.add_argument("--moe-layer-freq", type=int, default=1, help="model.moe_layer_freq")
+    moe.add_argument("--router-pre-softmax", action="store_true",
+                     help="model.moe_router_pre_softmax=true")
+    moe.add_argument("--shared-gate", action="store_true", help="model.moe_shared_expert_gate=true")
     parser.add_argument("--seq-lengths", default="2048", help="comma-separated, batch 1 each")
     parser.add_argument("--dtypes", default="fp32,bf16", help="model.params_dtype values")
     parser.add_argument("--attention", default="sdpa", help="model.attention values")
@@ -87,8 +98,26 @@ def overrides(args: argparse.Namespace, *, method: str, dtype: str, attention: s
         "train.micro_batch_size=1", "train.global_batch_size=1", "train.steps=4",
         f"lora.lora_rank={args.rank}", f"lora.alpha={2 * args.rank}",
         f"logra.sketch_rank={args.rank}", f"logra.kl_control.probe_max_tokens={seq_length}",
-        *METHOD_OVERRIDES[method],
+        *METHOD_OVERRIDES[method], *moe_overrides(args),
+        *(["model.qk_layernorm=true"] if args.qk_layernorm else []),
     ]
+
+
+def moe_overrides(args: argparse.Namespace) -> list[str]:
+    """The MoE keys of the bench model (none for a dense one)."""
+    if args.experts is None:
+        return []
+    out = [f"model.num_moe_experts={args.experts}", f"model.moe_router_topk={args.topk}",
+           f"model.moe_layer_freq={args.moe_layer_freq}"]
+    if args.expert_ffn is not None:
+        out.append(f"model.moe_ffn_hidden_size={args.expert_ffn}")
+    if args.shared_ffn is not None:
+        out.append(f"model.moe_shared_expert_ffn_hidden_size={args.shared_ffn}")
+    if args.router_pre_softmax:
+        out.append("model.moe_router_pre_softmax=true")
+    if args.shared_gate:
+        out.append("model.moe_shared_expert_gate=true")
+    return out
 
 
 def compare(cfg: Any, groups: Any, vocab_size: int) -> dict[str, Any]:

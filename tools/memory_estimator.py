@@ -45,6 +45,8 @@ from megatron_logra.memory.shapes import (
 
 DEFAULT_GPU_MEM_GIB = 80.0
 DEFAULT_SEQ_LENGTH = 4096
+MOE_LORA_REFUSAL = ("refused for MoE by the trainer (optimizer.name=lora: its targets are "
+                    "dense linears; docs/moe.md)")
 ROWS = ("weights", "gradients", "optimizer_state", "sketches", "projections", "activations",
         "persistent", "total")
 
@@ -75,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     lay.add_argument("--pp", type=int)
     lay.add_argument("--vpp", type=int, help="virtual pipeline stages (interleaved schedule)")
     lay.add_argument("--dp", type=int, help="default: --gpus / (tp * pp), else 1")
+    lay.add_argument("--ep", type=int, help="expert parallelism of an MoE --config (default: "
+                                            "the config's parallel.ep)")
     lay.add_argument("--micro-batch-size", type=int)
     lay.add_argument("--seq-length", type=int, help=f"default {DEFAULT_SEQ_LENGTH} for presets")
     lay.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
@@ -133,7 +137,7 @@ def _config_defaults(args: argparse.Namespace) -> tuple[ModelShape, dict[str, An
     shape = shape_from_model_config(cfg.model, vocab_size=vocab, name=Path(args.config).stem)
     layout = {
         "tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "vpp": cfg.parallel.vpp,
-        "dp": cfg.parallel.dp,
+        "dp": cfg.parallel.dp, "ep": cfg.parallel.ep,
         "micro_batch_size": cfg.train.micro_batch_size, "seq_length": cfg.model.seq_length,
         "sequence_parallel": cfg.parallel.sp,
         # The config's model.recompute (full: Megatron's uniform method, one layer per checkpoint,
@@ -173,7 +177,7 @@ def resolve(args: argparse.Namespace) -> Request:
     elif args.preset:
         shape = preset(args.preset)
         base = {"tp": 1, "pp": 1, "vpp": None, "dp": None, "micro_batch_size": 1,
-                "seq_length": DEFAULT_SEQ_LENGTH, "sequence_parallel": None,
+                "seq_length": DEFAULT_SEQ_LENGTH, "sequence_parallel": None, "ep": 1,
                 "recompute": "selective", "attention": None, "recompute_num_layers": 1,
                 "global_batch_size": None}
         settings = MethodSettings()
@@ -204,7 +208,8 @@ def resolve(args: argparse.Namespace) -> Request:
     if num_microbatches is None and base["global_batch_size"] is not None and mbs * dp >= 1:
         num_microbatches = max(1, base["global_batch_size"] // (mbs * dp))
     layout = Layout(
-        tp=tp, pp=pp, vpp=pick(args.vpp, base["vpp"]), dp=dp, micro_batch_size=mbs,
+        tp=tp, pp=pp, vpp=pick(args.vpp, base["vpp"]), dp=dp, ep=pick(args.ep, base["ep"]),
+        micro_batch_size=mbs,
         seq_length=pick(args.seq_length, base["seq_length"]), sequence_parallel=sp,
         recompute=pick(args.recompute, base["recompute"]), num_microbatches=num_microbatches,
         attention=base["attention"], recompute_num_layers=base["recompute_num_layers"],
@@ -230,26 +235,29 @@ def _ratio(a: MemoryBreakdown, b: MemoryBreakdown) -> float:
 def report(request: Request) -> dict[str, Any]:
     shape, layout, st = request.shape, request.layout, request.settings
     methods = estimate_all(shape, layout, st)
-    reference = megatron_formula(shape, layout, distributed_optimizer=st.distributed_optimizer)
     out: dict[str, Any] = {
         "model": {**asdict(shape), "parameters": shape.total_parameters()},
         "layout": {**asdict(layout), "gpus": layout.gpus,
                    "in_flight_microbatches": layout.in_flight_microbatches()},
         "settings": asdict(st),
         "methods": {},
-        "ratios": {
-            "logra_over_dense_adam": _ratio(methods["logra"], methods["dense_adam"]),
-            "logra_over_lora": _ratio(methods["logra"], methods["lora"]),
-        },
-        "megatron_formula_dense_adam": {
+        "ratios": {"logra_over_dense_adam": _ratio(methods["logra"], methods["dense_adam"])},
+        "gpus": layout.gpus,
+        "gpu_mem_gib": request.gpu_mem_gib,
+    }
+    if "lora" in methods:
+        out["ratios"]["logra_over_lora"] = _ratio(methods["logra"], methods["lora"])
+    else:
+        out["refused"] = {"lora": MOE_LORA_REFUSAL}
+    if shape.moe is None:  # Megatron's formula is the dense GPT's
+        reference = megatron_formula(shape, layout,
+                                     distributed_optimizer=st.distributed_optimizer)
+        out["megatron_formula_dense_adam"] = {
             "branch": reference.branch,
             "weight_and_optimizer_gib": reference.weight_and_optimizer / GIB,
             "activations_gib": reference.activations / GIB,
             "total_gib": reference.total / GIB,
-        },
-        "gpus": layout.gpus,
-        "gpu_mem_gib": request.gpu_mem_gib,
-    }
+        }
     for name, breakdown in methods.items():
         out["methods"][name] = {**breakdown.as_dict(),
                                 "fits": fits(breakdown, request.gpu_mem_gib)}
@@ -259,6 +267,14 @@ def report(request: Request) -> dict[str, Any]:
 def _describe(shape: ModelShape, layout: Layout, st: MethodSettings) -> list[str]:
     tied = "tied" if shape.tied_embeddings else "untied"
     vpp = layout.vpp if layout.vpp is not None else "-"
+    moe = shape.moe
+    experts = [] if moe is None else [
+        f"experts: {moe.moe_layers(shape.num_layers)} MoE layers x {moe.num_experts} experts "
+        f"(top-{moe.topk}, FFN {moe.expert_ffn_hidden_size}"
+        + (f", shared expert {moe.shared_expert_ffn_hidden_size}"
+           if moe.shared_expert_ffn_hidden_size else "")
+        + f"), ep={layout.ep}, expert-DP {layout.expert_dp}; balanced routing (k T / E tokens "
+        "per expert)"]
     return [
         f"{shape.name}: {shape.total_parameters() / 1e9:.2f} B parameters ({shape.num_layers} "
         f"layers, hidden {shape.hidden_size}, ffn {shape.ffn_hidden_size}, "
@@ -273,12 +289,13 @@ def _describe(shape: ModelShape, layout: Layout, st: MethodSettings) -> list[str
         f"{'on' if st.distributed_optimizer else 'off'}) | LoRA rank {st.lora_rank} "
         f"({st.precision}, base frozen) | LoGRA sketch rank {st.sketch_rank} "
         f"({st.logra_precision}, non-targets {st.logra_non_targets})",
+        *experts,
     ]
 
 
 def format_table(request: Request, data: dict[str, Any]) -> str:
     lines = _describe(request.shape, request.layout, request.settings)
-    names = ("dense_adam", "lora", "logra")
+    names = tuple(n for n in ("dense_adam", "lora", "logra") if n in data["methods"])
     # Small models (our CPU configs) would print as zeros in GiB.
     largest = max(data["methods"][n]["total_bytes"] for n in names)
     unit, scale = ("GiB", GIB) if largest >= GIB / 2 else ("MiB", 1024**2)
@@ -298,10 +315,13 @@ def format_table(request: Request, data: dict[str, Any]) -> str:
         lines.append(f"{'LoGRA host memory (masters)':<36}{'':>24}{host / scale:>12.3f}")
     ratios = data["ratios"]
     lines.append("")
+    lora = (f"LoGRA / LoRA: {ratios['logra_over_lora']:.3f} "
+            f"({(ratios['logra_over_lora'] - 1) * 100:+.1f}%)" if "logra_over_lora" in ratios
+            else f"LoRA: {data['refused']['lora']}")
     lines.append(f"LoGRA / dense Adam: {ratios['logra_over_dense_adam']:.3f} "
-                 f"({(ratios['logra_over_dense_adam'] - 1) * 100:+.1f}%)   "
-                 f"LoGRA / LoRA: {ratios['logra_over_lora']:.3f} "
-                 f"({(ratios['logra_over_lora'] - 1) * 100:+.1f}%)")
+                 f"({(ratios['logra_over_dense_adam'] - 1) * 100:+.1f}%)   {lora}")
+    if "megatron_formula_dense_adam" not in data:
+        return "\n".join(lines)
     ref = data["megatron_formula_dense_adam"]
     lines.append(f"Megatron's theoretical formula, dense Adam (bf16): weights+optimizer "
                  f"{ref['weight_and_optimizer_gib'] * GIB / scale:.3f} {unit}, activations "

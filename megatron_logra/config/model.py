@@ -35,6 +35,10 @@ class ModelConfig:
     rotary_base: int = 10000
     add_bias_linear: bool = True
     add_qkv_bias: bool = False
+    qk_layernorm: bool = False
+    """Normalise every query and key head over its head width before the rotary embedding
+    (Megatron's q_layernorm / k_layernorm, ``model.normalization`` kind; Qwen3's q_norm /
+    k_norm). Their weights are trained by the native optimizer, as the other norms."""
     untie_embeddings: bool = True
     init_method_std: float = 0.02
     layernorm_epsilon: float = 1e-5
@@ -73,6 +77,13 @@ class ModelConfig:
     """FFN width of one routed expert; None takes model.ffn_hidden_size."""
     moe_shared_expert_ffn_hidden_size: int | None = None
     """FFN width of the shared expert every token also passes (Qwen2-MoE style); None: none."""
+    moe_router_pre_softmax: bool = False
+    """Routing probabilities from a softmax over all experts' logits, the top k kept as they
+    are (Megatron's moe_router_pre_softmax; Hugging Face's norm_topk_prob=false, Qwen2-MoE);
+    false: a softmax over the top k logits (norm_topk_prob=true, Qwen3-MoE)."""
+    moe_shared_expert_gate: bool = False
+    """Scale the shared expert's output per token by ``sigmoid(x w)``, ``w [1, hidden]`` a
+    native-optimizer parameter (Megatron's moe_shared_expert_gate; Qwen2-MoE)."""
     moe_layer_freq: int = 1
     """Every k-th decoder layer is MoE (layers 0, k, 2k, ...); the others keep the dense MLP."""
     moe_token_dispatcher: str = "alltoall"

@@ -22,6 +22,8 @@ _MOE_ONLY_DEFAULTS: dict[str, Any] = {
     "moe_ffn_hidden_size": None,
     "moe_shared_expert_ffn_hidden_size": None,
     "moe_layer_freq": 1,
+    "moe_router_pre_softmax": False,
+    "moe_shared_expert_gate": False,
     "moe_token_dispatcher": "alltoall",
 }
 
@@ -51,6 +53,11 @@ def check_moe_model(m: ModelConfig, path: str = "model") -> None:
     for name in ("moe_ffn_hidden_size", "moe_shared_expert_ffn_hidden_size"):
         if getattr(m, name) is not None:
             check_positive(f"{path}.{name}", getattr(m, name))
+    if m.moe_shared_expert_gate and m.moe_shared_expert_ffn_hidden_size is None:
+        raise ValueError(
+            f"{path}.moe_shared_expert_gate=true gates a shared expert, but there is none; set "
+            f"{path}.moe_shared_expert_ffn_hidden_size or drop the gate"
+        )
     if m.num_moe_experts < 2:
         raise ValueError(
             f"{path}.num_moe_experts={m.num_moe_experts}: a router needs at least 2 experts; "

@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from megatron_logra.memory import built_layer
+from megatron_logra.memory import built_layer, moe_layer
 from megatron_logra.memory.shapes import (
     BF16_BYTES,
     DROPOUT_MASK_BYTES,
@@ -61,8 +61,10 @@ def layer_activation_terms(
     rank: int = 0,
     recompute: str | None = None,
     norms_trained: bool = True,
+    is_moe: bool = False,
 ) -> dict[str, float]:
-    """Bytes one transformer layer saves for backward for one microbatch, term by term.
+    """Bytes one transformer layer saves for backward for one microbatch, term by term
+    (``is_moe``: an MoE layer of ``shape.moe``, whose MLP half is :mod:`.moe_layer`'s).
 
     With ``layout.attention`` set, the terms of the layer our trainer builds
     (:func:`built_layer_terms`); otherwise Korthikanti et al.'s, as follows.
@@ -81,9 +83,17 @@ def layer_activation_terms(
     if recompute == "full":
         recompute = "none"
     if layout.attention is not None:
-        return built_layer_terms(shape, layout, element_bytes=element_bytes,
-                                 linear_modes=linear_modes, rank=rank, recompute=recompute,
-                                 norms_trained=norms_trained)
+        terms = built_layer_terms(shape, layout, element_bytes=element_bytes,
+                                  linear_modes=linear_modes, rank=rank, recompute=recompute,
+                                  norms_trained=norms_trained)
+        if not is_moe:
+            return terms
+        terms = {name: value for name, value in terms.items() if name not in moe_layer.MLP_KEYS}
+        return terms | moe_layer.moe_mlp_terms(shape, layout, element_bytes=element_bytes,
+                                               linear_modes=linear_modes, rank=rank,
+                                               norms_trained=norms_trained)
+    if is_moe:
+        moe_layer.check_estimable(shape, layout)
     e = element_bytes
     t = layout.tp
     T, T_s = float(layout.tokens), layout.sharded_tokens
@@ -162,6 +172,7 @@ def built_layer_terms(
         shape, T_s, weight_trained=norms_trained)
     terms["linear_qkv_input"], terms["linear_qkv_lowrank"] = linear("linear_qkv")
     terms["qkv_output"] = built_layer.qkv_output_bytes(shape, layout, e)
+    terms["qk_norm"] = built_layer.qk_norm_saved_bytes(shape, layout, e)
     terms["rotary"] = built_layer.rotary_bytes(shape, layout, e)
     if recompute == "none":
         terms["core_attention"] = built_layer.core_attention_bytes(
@@ -234,15 +245,22 @@ def stage_activation_bytes(
     built = layout.attention is not None
     kwargs = {"element_bytes": e, "linear_modes": linear_modes, "rank": rank,
               "norms_trained": norms_trained}
+    if shape.moe is not None:
+        moe_layer.check_estimable(shape, layout)
+    # (is_moe, layers of that kind on the stage, one layer's saved bytes); pp = 1 with experts.
+    kinds = [(is_moe, count if shape.moe is not None else layers,
+              sum(layer_activation_terms(shape, layout, is_moe=is_moe, **kwargs).values()))
+             for is_moe, count in shape.layer_kinds()]
     if layout.recompute == "full":
-        # One input kept per checkpointed group; one group rebuilt at a time in backward.
+        # One input kept per checkpointed group; one group rebuilt at a time in backward (the
+        # widest kind of layer, when MoE and dense layers alternate).
         group = min(layout.recompute_num_layers, layers) if built else 1
         groups = -(-layers // group)
         per_layer = e * T_s * h  # the checkpointed input
-        recomputed = group * sum(layer_activation_terms(shape, layout, **kwargs).values())
+        recomputed = group * max(saved for _, _, saved in kinds)
         stage_layers = per_layer * groups * in_flight
     else:
-        per_layer = sum(layer_activation_terms(shape, layout, **kwargs).values())
+        per_layer = sum(count * saved for _, count, saved in kinds) / layers
         recomputed = 0.0
         stage_layers = per_layer * layers * in_flight
     # Token ids are replicated on every TP rank; a frozen embedding keeps no ids for backward.
@@ -282,12 +300,18 @@ def _at_backward_peak(shape: ModelShape, layout: Layout, saved: ActivationBreakd
     replaces, is alive beside the logits' gradients) or in the last
     layer's MLP (the output stage and the last fc2 are freed, beside the MLP's gradients)."""
     T, T_s = float(layout.tokens), layout.sharded_tokens
-    last_fc2 = sum(_linear_saved(linear_modes.get("linear_fc2", "dense"), tokens=T,
-                                 width=shape.ffn_hidden_size / layout.tp, adapter_tokens=T_s,
-                                 rank=rank, e=e))
+    last_is_moe = shape.moe is not None and shape.moe.is_moe_layer(shape.num_layers - 1)
+    if last_is_moe:
+        last_fc2 = moe_layer.expert_fc2_saved(shape, layout, e, linear_modes, rank)
+        temporaries = moe_layer.moe_backward_temporaries(shape, layout, e)
+    else:
+        last_fc2 = sum(_linear_saved(linear_modes.get("linear_fc2", "dense"), tokens=T,
+                                     width=shape.ffn_hidden_size / layout.tp,
+                                     adapter_tokens=T_s, rank=rank, e=e))
+        temporaries = built_layer.backward_temporaries(shape, layout, e)
     freed = built_layer.freed_before_backward_peak(shape, layout, e, output_bytes=saved.output,
                                                    last_fc2_bytes=last_fc2)
-    mlp = (freed, built_layer.backward_temporaries(shape, layout, e))
+    mlp = (freed, temporaries)
     softmax = FP32_BYTES * T * shape.padded_vocab_size(layout.tp) / layout.tp
     output_temporaries = built_layer.output_backward_temporaries(
         shape, layout, e, output_layer_trained=output_layer_trained)

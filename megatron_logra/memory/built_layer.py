@@ -40,6 +40,20 @@ def norm_saved_bytes(shape: ModelShape, tokens: float, *, weight_trained: bool) 
     return saved
 
 
+def qk_norm_saved_bytes(shape: ModelShape, layout: Layout, e: int) -> float:
+    """The per-head q and k norms (``model.qk_layernorm``) over ``[T, qd/t]`` and
+    ``[T, kvd/t]``: as :func:`norm_saved_bytes` with a trained weight -- the fp32 normalised
+    input and the fp32 ``1/rms`` per head and token -- and in bf16 the fp32 copy of the input
+    (in fp32 the input is a view of the qkv output, counted there)."""
+    if not shape.qk_norm:
+        return 0.0
+    T, t = layout.tokens, layout.tp
+    widths = shape.query_width + shape.kv_width
+    heads = shape.num_attention_heads + shape.num_query_groups
+    upcast = FP32_BYTES * T * widths / t if e != FP32_BYTES else 0.0
+    return upcast + FP32_BYTES * T * widths / t + FP32_BYTES * T * heads / t
+
+
 def qkv_output_bytes(shape: ModelShape, layout: Layout, e: int) -> float:
     """The ``[T, qd + 2 kvd]`` output of ``linear_qkv``: the value heads passed on to core
     attention are views of it, so the whole storage lives as long as they are saved."""

@@ -78,8 +78,8 @@ from megatron_logra.memory.activations import (
     stage_activation_bytes,
 )
 from megatron_logra.memory.built_layer import local_attention_buffer_bytes
+from megatron_logra.memory.megatron_formula import MegatronFormula, megatron_formula
 from megatron_logra.memory.shapes import (
-    BF16_BYTES,
     FP32_BYTES,
     GIB,
     LOGRA_MASTER_GPU_BYTES,
@@ -93,6 +93,7 @@ from megatron_logra.memory.shapes import (
     Layout,
     ModelShape,
     TargetLinear,
+    adam_bytes,
     bias_params,
     check_choice,
     check_positive_int,
@@ -189,36 +190,61 @@ class StageParameters:
 def stage_parameters(
     shape: ModelShape, layout: Layout, targets: tuple[str, ...] = TARGET_LINEARS
 ) -> StageParameters:
-    """Exact per-rank parameter counts of the first stage (norms and row biases replicated)."""
+    """Exact per-rank parameter counts of the first stage (norms and row biases replicated).
+    An MoE layer counts its attention, its shared expert and its router here; its routed
+    experts are counted apart (:func:`expert_bytes`)."""
     layout.check_fits(shape)
     tp = layout.tp
     layers = shape.num_layers // layout.pp
     target_params = 0
-    other_linear_params = 0
-    for target in shape.targets():
-        params = target.local_rows(tp) * target.local_cols(tp)
-        if target.name in targets:
-            target_params += params
-        else:
-            other_linear_params += params
-    per_layer_other = other_linear_params + shape.norm_params_per_layer() + bias_params(shape, tp)
+    non_targets = 0
+    for is_moe, count in shape.layer_kinds():
+        count = count if shape.moe is not None else layers  # experts: pp = 1
+        other_linear_params = 0
+        for target in shape.layer_targets(is_moe):
+            params = target.local_rows(tp) * target.local_cols(tp)
+            if target.name in targets:
+                target_params += count * params
+            else:
+                other_linear_params += params
+        router = shape.router_params() if is_moe else 0
+        non_targets += count * (other_linear_params + shape.norm_params_per_layer()
+                                + bias_params(shape, tp) + router)
     embedding = shape.padded_vocab_size(tp) // tp * shape.hidden_size
-    non_targets = layers * per_layer_other + embedding + shape.learned_positions * shape.hidden_size
+    non_targets += embedding + shape.learned_positions * shape.hidden_size
     if layout.pp == 1:
         final_norm = shape.hidden_size * (2 if shape.normalization == "LayerNorm" else 1)
         non_targets += final_norm + (0 if shape.tied_embeddings else embedding)
-    return StageParameters(targets=layers * target_params, non_targets=non_targets, layers=layers)
+    return StageParameters(targets=target_params, non_targets=non_targets, layers=layers)
 
 
 def _target_sums(shape: ModelShape, layout: Layout, targets: tuple[str, ...]) -> tuple[int, int]:
-    """(sum of local rows, sum of local input columns) over the stage's target linears."""
+    """(sum of local rows, sum of local input columns) over the stage's (non-expert) target
+    linears."""
     rows = cols = 0
-    for target in shape.targets():
-        if target.name in targets:
-            rows += target.local_rows(layout.tp)
-            cols += target.local_cols(layout.tp)
     layers = shape.num_layers // layout.pp
-    return layers * rows, layers * cols
+    for is_moe, count in shape.layer_kinds():
+        count = count if shape.moe is not None else layers
+        for target in shape.layer_targets(is_moe):
+            if target.name in targets:
+                rows += count * target.local_rows(layout.tp)
+                cols += count * target.local_cols(layout.tp)
+    return rows, cols
+
+
+def expert_bytes(shape: ModelShape, layout: Layout, *, method: str, precision: str,
+                 sketch_rank: int = 256, distributed_optimizer: bool = True) -> dict[str, float]:
+    """The routed experts' persistent bytes on one GPU, by category (all 0 for a dense
+    model): :func:`megatron_logra.memory.experts.expert_state_bytes` on this layout (experts
+    over ``ep``, expert TP = tp, state over the ``dp / ep`` expert-DP ranks)."""
+    from megatron_logra.memory.experts import CATEGORIES, expert_shape_of, expert_state_bytes
+
+    if shape.moe is None:
+        return dict.fromkeys(CATEGORIES, 0.0)
+    return expert_state_bytes(expert_shape_of(shape), method=method, ep=layout.ep,
+                              expert_tp=layout.tp, expert_dp=layout.expert_dp,
+                              precision=precision, sketch_rank=sketch_rank,
+                              distributed_optimizer=distributed_optimizer)
 
 
 def lora_adapter_parameters(
@@ -239,17 +265,6 @@ def lora_adapter_parameters(
 
 
 # ----------------------------------------------------------------------------- methods
-
-
-def _adam_bytes(params: float, precision: str, distributed_optimizer: bool,
-                dp: int) -> tuple[float, float, float]:
-    """(weights, gradients, optimizer state) of ``params`` trained by Megatron's Adam."""
-    shard = dp if distributed_optimizer else 1
-    if precision == "bf16":
-        # bf16 param, fp32 main_grad, fp32 master + m + v (Megatron: 18, or 6 + 12/dp).
-        return BF16_BYTES * params, FP32_BYTES * params, 3 * FP32_BYTES * params / shard
-    # fp32 params are their own masters: fp32 grad, m + v.
-    return FP32_BYTES * params, FP32_BYTES * params, 2 * FP32_BYTES * params / shard
 
 
 def _model_extras(shape: ModelShape, layout: Layout, activations: ActivationBreakdown,
@@ -275,8 +290,13 @@ def dense_adam_memory(
     """Every parameter trained by Megatron's Adam (the baseline of Megatron's formula)."""
     check_choice("precision", precision, PRECISIONS)
     params = stage_parameters(shape, layout)
-    weights, grads, state = _adam_bytes(params.targets + params.non_targets, precision,
-                                        distributed_optimizer, layout.dp)
+    weights, grads, state = adam_bytes(params.targets + params.non_targets, precision,
+                                       distributed_optimizer, layout.dp)
+    experts = expert_bytes(shape, layout, method="dense_adam", precision=precision,
+                           distributed_optimizer=distributed_optimizer)
+    weights += experts["weights"]
+    grads += experts["gradients"]
+    state += experts["optimizer_state"]
     activations = stage_activation_bytes(
         shape, layout, element_bytes=element_bytes(precision),
         linear_modes=dict.fromkeys(TARGET_LINEARS, "dense"),
@@ -298,9 +318,13 @@ def lora_memory(
     """
     check_choice("precision", precision, PRECISIONS)
     _check_targets(targets)
+    if shape.moe is not None:
+        raise ValueError(f"{shape.name} has experts: LoRA is refused for MoE by the trainer "
+                         "(optimizer.name=lora: its targets are dense linears, docs/moe.md); "
+                         "estimate dense Adam or LoGRA")
     params = stage_parameters(shape, layout)
     adapters = lora_adapter_parameters(shape, layout, lora_rank, targets)
-    a_weights, a_grads, a_state = _adam_bytes(adapters, precision, distributed_optimizer,
+    a_weights, a_grads, a_state = adam_bytes(adapters, precision, distributed_optimizer,
                                               layout.dp)
     base = element_bytes(precision) * (params.targets + params.non_targets)
     modes = {name: ("lora" if name in targets else "frozen") for name in TARGET_LINEARS}
@@ -333,13 +357,19 @@ def logra_memory(
     check_choice("non_targets", non_targets, NON_TARGET_TRAINING)
     _check_targets(targets)
     check_positive_int("sketch_rank", sketch_rank, "use the sketch rank, e.g. 256")
+    if shape.moe is not None:
+        _check_logra_moe(shape, precision, non_targets, paper_mode, targets)
+        if kl_probe is not None:
+            raise ValueError(f"{shape.name} has experts: the KL probe's forward-mode pass "
+                             "through an MoE layer is not modelled; estimate with "
+                             "logra.kl_control.enabled=false")
     params = stage_parameters(shape, layout, targets)
     rows, cols = _target_sums(shape, layout, targets)
     sharded = precision != "fp32"
     adam_precision = "bf16" if sharded else "fp32"
     e = element_bytes(adam_precision)
     if non_targets == "adam":
-        weights, grads, state = _adam_bytes(params.non_targets, adam_precision,
+        weights, grads, state = adam_bytes(params.non_targets, adam_precision,
                                             distributed_optimizer, layout.dp)
     else:
         weights, grads, state = e * params.non_targets, 0.0, 0.0
@@ -350,6 +380,12 @@ def logra_memory(
     state += FP32_BYTES * rows / shard  # RowAdam second moment, one per output row
     sketches = FP32_BYTES * rows * sketch_rank  # full buffer: accumulated before any reduction
     projections = e * sketch_rank * cols  # held once, in the parameters' dtype
+    experts = expert_bytes(shape, layout, method="logra", precision=precision,
+                           sketch_rank=sketch_rank, distributed_optimizer=distributed_optimizer)
+    weights += experts["weights"]
+    state += experts["optimizer_state"]
+    sketches += experts["sketches"]
+    projections += experts["projections"]
     modes = {name: ("sketched" if name in targets else
                     ("dense" if non_targets == "adam" else "frozen")) for name in TARGET_LINEARS}
     activations = stage_activation_bytes(
@@ -369,87 +405,22 @@ def logra_memory(
                            after_backward=after_backward)
 
 
-# ----------------------------------------------------------------------------- Megatron's formula
+def _check_logra_moe(shape: ModelShape, precision: str, non_targets: str, paper_mode: bool,
+                     targets: tuple[str, ...]) -> None:
+    """What LoGRA's estimate of an MoE model covers: what the trainer builds."""
+    from megatron_logra.memory.experts import EXPERT_LOGRA_PRECISIONS
 
-
-@dataclass(frozen=True)
-class MegatronFormula:
-    """Megatron-LM's theoretical memory of dense training on the first pipeline stage (bytes).
-
-    Attributes:
-        weight_and_optimizer: parameters of the most loaded shard times 18 (or 6 + 12/dp).
-        activations: the activation estimate of the branch Megatron picks.
-        per_layer_activations: one layer's activations per microbatch in that branch.
-        branch: ``sequence_parallel_selective`` (Korthikanti's ``sbh(18 + 4F/h)/t`` per layer)
-            or ``without_sequence_parallel`` (``sbh(10 + 24/t)`` per layer, bf16 logits and a
-            5% overhead factor), used for every other setting.
-    """
-
-    weight_and_optimizer: float
-    activations: float
-    per_layer_activations: float
-    branch: str
-
-    @property
-    def total(self) -> float:
-        return self.weight_and_optimizer + self.activations
-
-
-MEGATRON_OVERHEAD_FACTOR = 1.05  # the without-SP branch's allowance for temporaries
-
-
-def megatron_formula(
-    shape: ModelShape, layout: Layout, *, distributed_optimizer: bool
-) -> MegatronFormula:
-    """Megatron-LM's theoretical-memory formula for a dense (non-MoE, non-MLA) GPT.
-
-    A reimplementation for cross-checking :func:`dense_adam_memory`, approximations included:
-    biases, q/k norms, post-norms and learned positions are not counted; norm weights are divided
-    by tp (they are replicated); the final norm is spread over pipeline stages; token ids are
-    divided by tp. Hidden dropout masks are always counted.
-    """
-    layout.check_fits(shape)
-    h, a, g = shape.hidden_size, shape.num_attention_heads, shape.num_query_groups
-    tp, pp, dp = layout.tp, layout.pp, layout.dp
-    s, b = layout.seq_length, layout.micro_batch_size
-    vocab = shape.padded_vocab_size(tp)
-    # Parameters.
-    norm_size = 1 if shape.normalization == "RMSNorm" else 2
-    gated_multiplier = 3 / 2 if shape.gated_mlp else 1
-    query_to_hidden = shape.query_width / h
-    self_attention = 2 * h * h * ((1 + g / a) * query_to_hidden)
-    per_layer_params = 2 * h * (shape.ffn_hidden_size * gated_multiplier + norm_size)
-    per_layer_params += self_attention
-    embedding = h * vocab
-    block = per_layer_params * shape.num_layers + norm_size * h
-    most_loaded = (block / pp + embedding) / tp
-    if not shape.tied_embeddings and pp == 1:
-        most_loaded += embedding / tp
-    bytes_per_param = 6 + 12 / dp if distributed_optimizer else 18
-    weight_and_optimizer = most_loaded * bytes_per_param
-    # Activations.
-    sp_selective = layout.sequence_parallel and layout.recompute == "selective"
-    if sp_selective:
-        per_layer = s * b * h * (18 + 4 * shape.ffn_hidden_size / h)
-    else:
-        per_layer = s * b * h * (10 + 24 / tp)
-    activations = per_layer * shape.num_layers
-    activations += 8 * s * b * pp + s * b * h * pp
-    if layout.vpp is not None:
-        activations *= 1 + (pp - 1) / (pp * layout.vpp)
-    elif pp > 1 and layout.num_microbatches is not None:
-        activations *= min(1, layout.num_microbatches / pp)
-    if sp_selective:
-        if pp == 1:
-            activations += s * b * h * 4 * (1 + vocab / h)
-        activations /= tp
-        return MegatronFormula(weight_and_optimizer, activations, per_layer / tp,
-                               "sequence_parallel_selective")
-    if pp == 1:
-        activations += (s * b * vocab / tp + s * b * h) * 2
-    activations *= MEGATRON_OVERHEAD_FACTOR
-    return MegatronFormula(weight_and_optimizer, activations, per_layer,
-                           "without_sequence_parallel")
+    if precision not in EXPERT_LOGRA_PRECISIONS:
+        raise ValueError(f"{shape.name} has experts: LoGRA precision={precision!r} is not "
+                         f"estimated for experts; choose one of {list(EXPERT_LOGRA_PRECISIONS)}")
+    if paper_mode or non_targets != "adam":
+        raise ValueError(f"{shape.name} has experts: LoGRA's paper mode (frozen non-targets, "
+                         "the update ratio's weight norms) is not modelled for experts; "
+                         "estimate library mode (non_targets='adam')")
+    if not {"linear_fc1", "linear_fc2"} <= set(targets):
+        raise ValueError(f"{shape.name} has experts: the experts' fc1 and fc2 are always "
+                         "sketched (they never get a dense gradient); keep linear_fc1 and "
+                         "linear_fc2 in targets")
 
 
 # ----------------------------------------------------------------------------- all methods
@@ -476,13 +447,16 @@ class MethodSettings:
 def estimate_all(
     shape: ModelShape, layout: Layout, settings: MethodSettings | None = None
 ) -> dict[str, MemoryBreakdown]:
-    """``{"dense_adam": ..., "lora": ..., "logra": ...}`` for one model and layout."""
+    """``{"dense_adam": ..., "lora": ..., "logra": ...}`` for one model and layout (no
+    ``lora`` for an MoE model: the trainer refuses it)."""
     st = settings or MethodSettings()
+    lora = {} if shape.moe is not None else {  # refused for MoE (lora_memory says why)
+        "lora": lora_memory(shape, layout, lora_rank=st.lora_rank, precision=st.precision,
+                            distributed_optimizer=st.distributed_optimizer, targets=st.targets)}
     return {
         "dense_adam": dense_adam_memory(shape, layout, precision=st.precision,
                                         distributed_optimizer=st.distributed_optimizer),
-        "lora": lora_memory(shape, layout, lora_rank=st.lora_rank, precision=st.precision,
-                            distributed_optimizer=st.distributed_optimizer, targets=st.targets),
+        **lora,
         "logra": logra_memory(shape, layout, sketch_rank=st.sketch_rank,
                               precision=st.logra_precision,
                               distributed_optimizer=st.distributed_optimizer,

@@ -23,12 +23,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_logra.memory.estimate import _adam_bytes
 from megatron_logra.memory.shapes import (
     BF16_BYTES,
     FP32_BYTES,
     PRECISIONS,
     TargetLinear,
+    adam_bytes,
     check_choice,
     check_positive_int,
 )
@@ -84,6 +84,16 @@ def expert_shape_from_model_config(model, name: str = "config") -> ExpertShape:
     )
 
 
+def expert_shape_of(shape) -> ExpertShape:
+    """The routed experts of a :class:`~megatron_logra.memory.shapes.ModelShape` with
+    ``moe`` set."""
+    moe = shape.moe
+    return ExpertShape(name=shape.name, moe_layers=moe.moe_layers(shape.num_layers),
+                       hidden_size=shape.hidden_size, num_experts=moe.num_experts,
+                       expert_ffn_hidden_size=moe.expert_ffn_hidden_size,
+                       gated_mlp=shape.gated_mlp)
+
+
 # Megatron-scale presets: the routed experts of a public config.
 EXPERT_PRESETS: dict[str, ExpertShape] = {
     # Qwen3-30B-A3B: 48 layers, all MoE, hidden 2048, 128 experts of width 768 (top-8), SwiGLU.
@@ -123,13 +133,13 @@ def expert_state_bytes(
     out = dict.fromkeys(CATEGORIES, 0.0)
     if method == "dense_adam":
         check_choice("precision", precision, PRECISIONS)
-        out["weights"], out["gradients"], out["optimizer_state"] = _adam_bytes(
+        out["weights"], out["gradients"], out["optimizer_state"] = adam_bytes(
             params, precision, distributed_optimizer, expert_dp)
     elif method == "lora":
         check_choice("precision", precision, PRECISIONS)
         check_positive_int("lora_rank", lora_rank, "use the LoRA rank, e.g. 16")
         adapters = lora_rank * (rows + cols)
-        weights, out["gradients"], out["optimizer_state"] = _adam_bytes(
+        weights, out["gradients"], out["optimizer_state"] = adam_bytes(
             adapters, precision, distributed_optimizer, expert_dp)
         base = BF16_BYTES if precision == "bf16" else FP32_BYTES
         out["weights"] = base * params + weights

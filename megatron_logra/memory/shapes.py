@@ -51,6 +51,17 @@ FP32_BYTES = 4  # gradients, Adam state, masters, sketches, projections, cross-e
 BF16_BYTES = 2
 
 
+def adam_bytes(params: float, precision: str, distributed_optimizer: bool,
+                dp: int) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer state) of ``params`` trained by Megatron's Adam."""
+    shard = dp if distributed_optimizer else 1
+    if precision == "bf16":
+        # bf16 param, fp32 main_grad, fp32 master + m + v (Megatron: 18, or 6 + 12/dp).
+        return BF16_BYTES * params, FP32_BYTES * params, 3 * FP32_BYTES * params / shard
+    # fp32 params are their own masters: fp32 grad, m + v.
+    return FP32_BYTES * params, FP32_BYTES * params, 2 * FP32_BYTES * params / shard
+
+
 def check_positive_int(argument: str, value: int, fix: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{argument}={value!r} must be a positive integer; {fix}")
@@ -62,6 +73,42 @@ def check_choice(argument: str, value: str, choices: tuple[str, ...]) -> None:
 
 
 # ----------------------------------------------------------------------------- model shape
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoESpec:
+    """The mixture-of-experts part of a GPT as our trainer builds it (``mcore/models/moe.py``):
+    every ``layer_freq``-th layer (0, k, 2k, ...) replaces its dense MLP by a router of
+    ``num_experts`` experts, ``topk`` per token, each an MLP of width
+    ``expert_ffn_hidden_size``, plus an optional shared expert every token passes."""
+
+    num_experts: int
+    topk: int
+    expert_ffn_hidden_size: int
+    shared_expert_ffn_hidden_size: int = 0
+    """0: no shared expert."""
+    layer_freq: int = 1
+    router_pre_softmax: bool = False
+    """A softmax over all experts before the top k (``model.moe_router_pre_softmax``)."""
+    shared_expert_gate: bool = False
+    """The shared expert's sigmoid gate (``model.moe_shared_expert_gate``)."""
+
+    def __post_init__(self) -> None:
+        for argument in ("num_experts", "topk", "expert_ffn_hidden_size", "layer_freq"):
+            check_positive_int(f"MoESpec.{argument}", getattr(self, argument),
+                               "give the model's MoE size")
+        if self.shared_expert_ffn_hidden_size < 0:
+            raise ValueError(f"MoESpec.shared_expert_ffn_hidden_size="
+                             f"{self.shared_expert_ffn_hidden_size} must be >= 0 (0: none)")
+        if self.topk > self.num_experts:
+            raise ValueError(f"MoESpec.topk={self.topk} exceeds MoESpec.num_experts="
+                             f"{self.num_experts}")
+
+    def is_moe_layer(self, index: int) -> bool:
+        return index % self.layer_freq == 0
+
+    def moe_layers(self, num_layers: int) -> int:
+        return sum(self.is_moe_layer(i) for i in range(num_layers))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,6 +143,8 @@ class ModelShape:
     """Rows of a learned absolute position embedding (0 for rotary embeddings)."""
     dropout: bool = False
     """Hidden/attention dropout active in training (its masks are saved for backward)."""
+    moe: MoESpec | None = None
+    """Routed experts (:mod:`.moe_layer` counts what an MoE layer holds); None: dense."""
 
     def __post_init__(self) -> None:
         for argument in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
@@ -113,6 +162,11 @@ class ModelShape:
                 f"ModelShape.norms_per_layer={self.norms_per_layer} must be at least 2 "
                 "(the pre-attention and pre-MLP norms)"
             )
+        if self.moe is not None and self.linear_bias:
+            raise ValueError(
+                "ModelShape.linear_bias=True with experts: expert biases are not modelled; "
+                "estimate the model with linear_bias=False (Megatron keeps expert biases only "
+                "at expert-TP 1)")
         if self.learned_positions < 0:
             raise ValueError(
                 f"ModelShape.learned_positions={self.learned_positions} must be >= 0 "
@@ -136,14 +190,39 @@ class ModelShape:
         return math.ceil(self.vocab_size / multiple) * multiple
 
     def targets(self) -> tuple[TargetLinear, ...]:
-        """The four target linears of one layer, with global ``[out, in]`` shapes."""
+        """The four target linears of one dense layer, with global ``[out, in]`` shapes."""
         h = self.hidden_size
         return (
             TargetLinear("linear_qkv", self.query_width + 2 * self.kv_width, h, "column"),
             TargetLinear("linear_proj", h, self.query_width, "row"),
-            TargetLinear("linear_fc1", self.fc1_width, h, "column"),
-            TargetLinear("linear_fc2", h, self.ffn_hidden_size, "row"),
+            *self.mlp_targets(self.ffn_hidden_size),
         )
+
+    def mlp_targets(self, width: int) -> tuple[TargetLinear, TargetLinear]:
+        """fc1 and fc2 of an MLP of FFN ``width`` (a dense layer's, an expert's)."""
+        fc1 = width * (2 if self.gated_mlp else 1)
+        return (TargetLinear("linear_fc1", fc1, self.hidden_size, "column"),
+                TargetLinear("linear_fc2", self.hidden_size, width, "row"))
+
+    def layer_kinds(self) -> tuple[tuple[bool, int], ...]:
+        """``(is_moe, count)`` of the decoder layers (dense ones first)."""
+        moe = self.moe.moe_layers(self.num_layers) if self.moe is not None else 0
+        return tuple((kind, n) for kind, n in ((False, self.num_layers - moe), (True, moe))
+                     if n)
+
+    def layer_targets(self, is_moe: bool) -> tuple[TargetLinear, ...]:
+        """The non-expert target linears of a layer of that kind: an MoE layer keeps its
+        attention's and its shared expert's (if any); its routed experts are counted apart
+        (:mod:`.experts`)."""
+        if not is_moe:
+            return self.targets()
+        attention = self.targets()[:2]
+        shared = self.moe.shared_expert_ffn_hidden_size
+        return attention + (self.mlp_targets(shared) if shared else ())
+
+    def router_params(self) -> int:
+        """An MoE layer's router weight ``[experts, h]``, replicated on every rank."""
+        return self.moe.num_experts * self.hidden_size if self.moe is not None else 0
 
     def norm_params_per_layer(self) -> int:
         per_norm = 2 if self.normalization == "LayerNorm" else 1  # weight (+ bias)
@@ -155,11 +234,18 @@ class ModelShape:
     def total_parameters(self) -> int:
         """Parameters of the whole model (one copy of tied embeddings), vocabulary padded for
         tp = 1."""
-        layer = sum(t.out_features * t.in_features for t in self.targets())
-        layer += self.norm_params_per_layer() + bias_params(self, tp=1)
+        layers = 0
+        for is_moe, count in self.layer_kinds():
+            layer = sum(t.out_features * t.in_features for t in self.layer_targets(is_moe))
+            layer += self.norm_params_per_layer() + bias_params(self, tp=1)
+            if is_moe:
+                experts = self.mlp_targets(self.moe.expert_ffn_hidden_size)
+                layer += self.router_params() + self.moe.num_experts * sum(
+                    t.out_features * t.in_features for t in experts)
+            layers += count * layer
         embedding = self.padded_vocab_size(1) * self.hidden_size
         final_norm = self.hidden_size * (2 if self.normalization == "LayerNorm" else 1)
-        return (self.num_layers * layer + embedding * (1 if self.tied_embeddings else 2)
+        return (layers + embedding * (1 if self.tied_embeddings else 2)
                 + final_norm + self.learned_positions * self.hidden_size)
 
 
@@ -200,14 +286,16 @@ def shape_from_model_config(model: ModelConfig, *, vocab_size: int, name: str = 
     the way our model pads it (independent of TP), so the shape carries no further padding.
     """
     check_positive_int("vocab_size", vocab_size, "pass the tokenizer's vocabulary size")
+    moe = None
     if model.num_moe_experts is not None:
-        # A dense shape would silently leave out the experts (most of an MoE model's weights).
-        raise ValueError(
-            f"model.num_moe_experts={model.num_moe_experts}: the whole-model estimate has no "
-            "expert terms yet (docs/moe.md); estimate the dense part by leaving "
-            "model.num_moe_experts unset and the experts' state with "
-            "megatron_logra.memory.experts.expert_state_bytes"
-        )
+        from megatron_logra.config.moe import expert_ffn_width
+
+        moe = MoESpec(num_experts=model.num_moe_experts, topk=model.moe_router_topk,
+                      expert_ffn_hidden_size=expert_ffn_width(model),
+                      shared_expert_ffn_hidden_size=model.moe_shared_expert_ffn_hidden_size or 0,
+                      layer_freq=model.moe_layer_freq,
+                      router_pre_softmax=model.moe_router_pre_softmax,
+                      shared_expert_gate=model.moe_shared_expert_gate)
     padded = math.ceil(vocab_size / model.make_vocab_size_divisible_by)
     padded *= model.make_vocab_size_divisible_by
     return ModelShape(
@@ -226,9 +314,11 @@ def shape_from_model_config(model: ModelConfig, *, vocab_size: int, name: str = 
         qkv_bias=model.add_qkv_bias,
         linear_bias=model.add_bias_linear,
         normalization=model.normalization,
+        qk_norm=model.qk_layernorm,
         learned_positions=model.seq_length if model.position_embedding == "learned_absolute" else 0,
         # Our transformer config sets hidden_dropout = attention_dropout = 0.
         dropout=False,
+        moe=moe,
     )
 
 
@@ -277,6 +367,10 @@ class Layout:
     vpp: int | None = None
     """Virtual pipeline stages per pipeline rank (interleaved 1F1B); None for plain 1F1B."""
     dp: int = 1
+    ep: int = 1
+    """Expert parallelism (``parallel.ep``): routed experts split over ``ep`` of the DP ranks;
+    their gradients and optimizer state reduced and sharded over the ``dp / ep`` expert-DP
+    ranks (expert TP = tp, Megatron's default)."""
     micro_batch_size: int = 1
     seq_length: int = 2048
     sequence_parallel: bool = False
@@ -299,7 +393,7 @@ class Layout:
 
     def __post_init__(self) -> None:
         fixes = {"tp": "use 1 for no tensor parallelism", "pp": "use 1 for no pipeline",
-                 "dp": "use 1 for no data parallelism", "micro_batch_size": "use 1 or more",
+                 "dp": "use 1 for no data parallelism", "ep": "use 1 for no expert parallelism", "micro_batch_size": "use 1 or more",
                  "seq_length": "give the sequence length in tokens"}
         for argument, fix in fixes.items():
             check_positive_int(f"Layout.{argument}", getattr(self, argument), fix)
@@ -317,6 +411,9 @@ class Layout:
         if self.num_microbatches is not None:
             check_positive_int("Layout.num_microbatches", self.num_microbatches,
                       "use None when the number is not known")
+        if self.dp % self.ep:
+            raise ValueError(f"Layout.ep={self.ep} must divide Layout.dp={self.dp} (expert "
+                             "parallel ranks are carved out of the data-parallel ones)")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError(
                 "Layout.sequence_parallel=True needs Layout.tp > 1; set sequence_parallel=False"
@@ -326,6 +423,11 @@ class Layout:
                 f"Layout.seq_length={self.seq_length} must be divisible by Layout.tp={self.tp} "
                 "under sequence parallelism"
             )
+
+    @property
+    def expert_dp(self) -> int:
+        """Ranks of one expert-data-parallel group (``tp * dp / (expert_tp * ep)``)."""
+        return self.dp // self.ep
 
     @property
     def gpus(self) -> int:
@@ -366,9 +468,26 @@ class Layout:
                     f"{shape.name}: {argument}={value} is not divisible by tp={self.tp}; "
                     "choose a tp that divides it"
                 )
+        if shape.moe is not None:
+            self._check_fits_moe(shape)
         chunks = self.pp * (self.vpp or 1)
         if shape.num_layers % chunks:
             raise ValueError(
                 f"{shape.name}: num_layers={shape.num_layers} is not divisible by pp * vpp = "
                 f"{chunks}; choose pp (and vpp) that divide the layer count"
             )
+
+    def _check_fits_moe(self, shape: ModelShape) -> None:
+        moe = shape.moe
+        if moe.num_experts % self.ep:
+            raise ValueError(f"{shape.name}: num_experts={moe.num_experts} is not divisible by "
+                             f"ep={self.ep}; choose an ep that divides it")
+        for argument, value in (("expert_ffn_hidden_size", moe.expert_ffn_hidden_size),
+                                ("shared_expert_ffn_hidden_size",
+                                 moe.shared_expert_ffn_hidden_size)):
+            if value % self.tp:
+                raise ValueError(f"{shape.name}: {argument}={value} is not divisible by "
+                                 f"expert tp = tp = {self.tp}; choose a tp that divides it")
+        if self.pp > 1:
+            raise ValueError(f"{shape.name} has experts and Layout.pp={self.pp}: pipeline "
+                             "stages with experts are not modelled by the estimate; use pp=1")

@@ -30,6 +30,10 @@ from tests.tools import load_tool
 from tests.torchrun import REPO, run_torchrun
 
 PRESETS = ("qwen2.5-1.5b", "qwen2.5-7b", "dense-27b")
+MOE_PRESETS = ("qwen3-30b-a3b",)
+"""fp32 LoGRA in library mode (bf16 LoGRA, paper mode and LoRA are refused for MoE; the
+header says why); its verdict has no LoRA figure."""
+TOY_EXPERTS = 4
 LAUNCH_RE = re.compile(r"^#\s+launch/torchrun_single_node\.sh --nproc (\d+) train (\S+)$", re.M)
 ESTIMATE_RE = re.compile(r"^#\s+python (tools/memory_estimator\.py .*)$", re.M)
 VERDICT_RE = re.compile(r"(LoGRA|dense Adam|LoRA r256) (yes|no) \(([\d.]+) GiB\)")
@@ -72,11 +76,24 @@ def test_preset_validates_at_its_launch_layout_as_bf16_logra_rank_256(name):
     assert cfg.logra.sketch_rank == 256
 
 
+@pytest.mark.parametrize("name", MOE_PRESETS)
+def test_moe_preset_validates_at_its_launch_layout_as_fp32_logra_library_with_experts(name):
+    nproc, config_arg = _launch(name)
+    assert config_arg == f"configs/{name}.yaml"
+    cfg = load_config(_path(name)).resolved(world_size=nproc)
+    p = cfg.parallel
+    assert p.tp * p.pp * p.dp == nproc and p.ep > 1
+    assert (cfg.model.params_dtype, cfg.optimizer.name, cfg.logra.mode) == (
+        "fp32", "logra", "library")
+    assert cfg.logra.sketch_rank == 256
+    assert cfg.model.num_moe_experts is not None
+
+
 def _estimator_main():
     return load_tool("memory_estimator").main
 
 
-@pytest.mark.parametrize("name", PRESETS)
+@pytest.mark.parametrize("name", PRESETS + MOE_PRESETS)
 def test_memory_verdict_in_the_header_is_what_the_estimator_says(name):
     header = _header(name)
     command = ESTIMATE_RE.search(header)
@@ -88,7 +105,10 @@ def test_memory_verdict_in_the_header_is_what_the_estimator_says(name):
         assert _estimator_main()([*argv, "--json"]) == 0
     methods = json.loads(stdout.getvalue())["methods"]
     verdicts = VERDICT_RE.findall(header)
-    assert sorted(label for label, _, _ in verdicts) == sorted(VERDICT_METHODS)
+    expected = [label for label, method in VERDICT_METHODS.items() if method in methods]
+    assert sorted(label for label, _, _ in verdicts) == sorted(expected)
+    if name in MOE_PRESETS:
+        assert "lora" not in methods and "LoRA refused" in header
     for label, fits, gib in verdicts:
         estimate = methods[VERDICT_METHODS[label]]
         assert estimate["fits"] == (fits == "yes"), (name, label)
@@ -121,11 +141,16 @@ def _toy_overrides(cfg: Config) -> tuple[int, list[str]]:
         "model.vocab_size=null",
         "train.steps=1", "train.micro_batch_size=1", f"train.global_batch_size={dp * microbatches}",
     ]
+    if m.num_moe_experts is not None:
+        # Fewer, narrower experts, split over the data-parallel ranks as the preset splits them.
+        overrides += [f"model.num_moe_experts={TOY_EXPERTS}",
+                      f"model.moe_router_topk={min(m.moe_router_topk, 2)}",
+                      f"model.moe_ffn_hidden_size={hidden}", f"parallel.ep={min(p.ep, dp)}"]
     return tp * pp * dp, overrides
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", PRESETS)
+@pytest.mark.parametrize("name", PRESETS + MOE_PRESETS)
 def test_preset_trains_one_logra_step_and_checkpoints_at_toy_width(
     name, synthetic_data_dir, tmp_path
 ):

@@ -29,6 +29,10 @@ def test_an_moe_model_with_expert_parallelism_resolves():
         ([*MOE, "parallel.tp=2"], "needs parallel.sp=true"),
         ([*MOE, "optimizer.name=lora"], "optimizer.name=lora does not adapt experts"),
         ([*MOE, "model.moe_token_dispatcher=flex"], "model.moe_token_dispatcher='flex'"),
+        (["model.moe_router_pre_softmax=true"],
+         "model.moe_router_pre_softmax=True only acts in an MoE model"),
+        ([*MOE, "model.moe_shared_expert_gate=true"],
+         "model.moe_shared_expert_gate=true gates a shared expert, but there is none"),
     ],
 )
 def test_moe_settings_that_cannot_act_are_refused_with_the_fix(overrides, message):
@@ -39,11 +43,3 @@ def test_moe_settings_that_cannot_act_are_refused_with_the_fix(overrides, messag
 def test_ep_must_divide_the_data_parallel_size():
     with pytest.raises(ValueError, match="must divide the data-parallel size 1"):
         _resolved(*MOE, "parallel.ep=2", world=1)
-
-
-def test_the_memory_estimator_refuses_an_moe_model_instead_of_leaving_out_its_experts():
-    from megatron_logra.memory.shapes import shape_from_model_config
-
-    with pytest.raises(ValueError, match="model.num_moe_experts=4: the whole-model estimate has "
-                                         "no expert terms yet"):
-        shape_from_model_config(_resolved(*MOE).model, vocab_size=96)

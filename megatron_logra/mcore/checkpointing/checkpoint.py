@@ -371,8 +371,10 @@ def load_checkpoint(
 _MODEL_SHAPE_FIELDS = (
     "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
     "normalization", "activation", "position_embedding", "add_bias_linear", "add_qkv_bias",
-    "untie_embeddings", "make_vocab_size_divisible_by", "params_dtype",
+    "qk_layernorm", "untie_embeddings", "make_vocab_size_divisible_by", "params_dtype",
 )
+# Fields added after checkpoints were written without them: their value then (the default).
+_MODEL_SHAPE_DEFAULTS: dict[str, Any] = {"qk_layernorm": False}
 
 
 # Optimizer settings that decide what optimizer state a checkpoint holds.
@@ -383,9 +385,11 @@ def _check_model_matches(
     saved: dict[str, Any], cfg: Config, path: Path, *, check_optimizer: bool = True
 ) -> None:
     current = cfg.to_dict()
+    model = {name: saved["model"].get(name, _MODEL_SHAPE_DEFAULTS.get(name))
+             for name in _MODEL_SHAPE_FIELDS}
     mismatched = [
-        f"model.{name}: checkpoint {saved['model'].get(name)!r} vs run {current['model'][name]!r}"
-        for name in _MODEL_SHAPE_FIELDS if saved["model"].get(name) != current["model"][name]
+        f"model.{name}: checkpoint {model[name]!r} vs run {current['model'][name]!r}"
+        for name in _MODEL_SHAPE_FIELDS if model[name] != current["model"][name]
     ] + [
         f"optimizer.{name}: checkpoint {saved['optimizer'].get(name)!r} vs run "
         f"{current['optimizer'][name]!r}"

@@ -1,6 +1,7 @@
-"""Hugging Face (Qwen2 / Llama, safetensors) <-> Megatron checkpoints: the config mapping
-(:mod:`.hf_config`), the fused-row layouts (:mod:`.hf_layout`) and the files and weights
-(:mod:`.hf`). ``tools/convert_hf.py`` is the command line."""
+"""Hugging Face (Qwen2 / Llama / Qwen3 / Qwen3-MoE, safetensors) <-> Megatron checkpoints: the
+config mapping (:mod:`.hf_config`), the fused-row layouts (:mod:`.hf_layout`), the q/k norms and
+experts (:mod:`.hf_moe`, whose tensor mappings are the entry points for every family) and the
+files and weights (:mod:`.hf`). ``tools/convert_hf.py`` is the command line."""
 
 from megatron_logra.mcore.conversion.hf import (
     CHECKPOINT_NAME,
@@ -31,11 +32,10 @@ from megatron_logra.mcore.conversion.hf_config import (
     model_config_from_hf,
     params_dtype_for,
 )
-from megatron_logra.mcore.conversion.hf_layout import (
-    fuse_qkv,
+from megatron_logra.mcore.conversion.hf_layout import fuse_qkv, split_qkv
+from megatron_logra.mcore.conversion.hf_moe import (
     hf_tensors_from_megatron,
     megatron_full_tensor,
-    split_qkv,
 )
 
 __all__ = [

@@ -34,7 +34,7 @@ from safetensors.torch import save_file
 from megatron_logra.config import ModelConfig
 from megatron_logra.mcore.checkpointing.digest import is_model_key
 from megatron_logra.mcore.conversion.hf_config import HFArchitecture
-from megatron_logra.mcore.conversion.hf_layout import megatron_full_tensor
+from megatron_logra.mcore.conversion.hf_moe import megatron_full_tensor
 from megatron_logra.mcore.models.gpt import gpt_layer_spec, padded_vocab_size
 from megatron_logra.mcore.models.sharding import (
     full_shape,
@@ -61,6 +61,10 @@ TOKENIZER_FILES: tuple[str, ...] = (
 )
 # Transformers' own shard limit for save_pretrained.
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
+# Checkpoint key of the routed experts' stacked tensors ([layers, experts, ...]) and the
+# parameter name of one expert.
+_STACKED_EXPERTS = "mlp.experts.experts."
+_EXPERT_PREFIX = "mlp.experts.local_experts."
 # Derived buffers some older checkpoints store; recomputed from the config on load.
 _IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -204,7 +208,11 @@ def _checkpoint_to_parameter_suffix(model: ModelConfig) -> dict[str, str]:
     # spec's map serves all of them and a te model converts without Transformer Engine.
     local = dataclasses.replace(model, attention="local")
     spec = gpt_layer_spec(local, sequence_parallel=False, layers_per_chunk=1)
-    keys_map: dict[str, str] = dict(spec.submodules.sharded_state_dict_keys_map)
+    # A block spec (MoE models: MoE and dense layers) lists its layers' specs.
+    layers = getattr(spec, "layer_specs", None) or [spec]
+    keys_map: dict[str, str] = {}
+    for layer in layers:
+        keys_map.update(layer.submodules.sharded_state_dict_keys_map)
     return {checkpoint: parameter for parameter, checkpoint in keys_map.items()}
 
 
@@ -240,5 +248,12 @@ def checkpoint_full_weights(
             raise ValueError(f"checkpoint key {key!r} stacks {value.shape[0]} layers, the model "
                              f"has model.num_layers={model.num_layers}")
         for layer in range(model.num_layers):
+            if suffix.startswith(_STACKED_EXPERTS):
+                # Megatron stacks a layer's experts too, by global index (SequentialMLP).
+                tail = suffix[len(_STACKED_EXPERTS):]
+                for expert in range(value.shape[1]):
+                    out[f"decoder.layers.{layer}.{_EXPERT_PREFIX}{expert}.{tail}"] = (
+                        value[layer, expert])
+                continue
             out[f"decoder.layers.{layer}.{suffix}"] = value[layer]
     return out

@@ -1,4 +1,5 @@
-"""Hugging Face Qwen2 / Llama ``config.json`` <-> our ``model:`` section.
+"""Hugging Face Qwen2 / Llama / Qwen3 / Qwen3-MoE / Qwen2-MoE ``config.json`` <-> our ``model:``
+section.
 
 :class:`HFArchitecture` holds the facts of a config that decide the weights and the forward
 pass; whatever cannot be represented (sliding-window attention, scaled rotary embeddings, a head
@@ -16,7 +17,11 @@ import torch
 
 from megatron_logra.config import ModelConfig
 
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("qwen2", "llama")
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("qwen2", "llama", "qwen3", "qwen3_moe", "qwen2_moe")
+QK_NORM_MODEL_TYPES: tuple[str, ...] = ("qwen3", "qwen3_moe")
+"""Families with per-head q/k RMSNorms (``model.qk_layernorm``); their tensors, and the experts
+of the MoE families, are mapped by :mod:`.hf_moe`."""
+MOE_MODEL_TYPES: tuple[str, ...] = ("qwen3_moe", "qwen2_moe")
 # Sequence length written into the derived config when the user does not choose one: the
 # model's maximum context (32k-128k for these families) is far longer than an RL post-training
 # sequence, and model.seq_length also sets the training window length.
@@ -27,6 +32,20 @@ _DTYPE_NAMES: dict[torch.dtype, str] = {
 
 
 # ----------------------------------------------------------------------------- architecture
+
+
+@dataclass(frozen=True, kw_only=True)
+class HFExperts:
+    """An MoE layer's routed experts: ``num_experts`` SwiGLU MLPs of width ``ffn_hidden_size``,
+    ``topk`` per token; with ``shared_ffn_hidden_size`` a shared expert every token passes,
+    scaled by a sigmoid gate (Qwen2-MoE)."""
+
+    num_experts: int
+    topk: int
+    ffn_hidden_size: int
+    pre_softmax: bool
+    """``norm_topk_prob=false``: the top k of a softmax over all experts, not renormalised."""
+    shared_ffn_hidden_size: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,6 +68,10 @@ class HFArchitecture:
     rotary_base: int
     norm_eps: float
     max_position_embeddings: int
+    qk_norm: bool = False
+    """Per-head q_norm / k_norm (Qwen3)."""
+    moe: HFExperts | None = None
+    """Every decoder layer's MLP is a routed mixture of experts (Qwen3-MoE); None: dense."""
 
     @property
     def head_dim(self) -> int:
@@ -73,6 +96,17 @@ class HFArchitecture:
                 names += [f"{p}self_attn.{proj}.bias" for proj in ("q_proj", "k_proj", "v_proj")]
             if self.linear_bias:
                 names.append(f"{p}self_attn.o_proj.bias")
+            if self.qk_norm:
+                names += [f"{p}self_attn.q_norm.weight", f"{p}self_attn.k_norm.weight"]
+            if self.moe is not None:
+                names.append(f"{p}mlp.gate.weight")
+                names += [f"{p}mlp.experts.{e}.{proj}.weight" for e in range(self.moe.num_experts)
+                          for proj in ("gate_proj", "up_proj", "down_proj")]
+                if self.moe.shared_ffn_hidden_size is not None:
+                    names += [f"{p}mlp.shared_expert.{proj}.weight"
+                              for proj in ("gate_proj", "up_proj", "down_proj")]
+                    names.append(f"{p}mlp.shared_expert_gate.weight")
+                continue
             for proj in ("gate_proj", "up_proj", "down_proj"):
                 names.append(f"{p}mlp.{proj}.weight")
                 if self.linear_bias:
@@ -141,11 +175,17 @@ def architecture_from_hf_config(config_dict: Mapping[str, Any]) -> HFArchitectur
     if _field(config, "hidden_act") != "silu":
         raise ValueError(f"config.json hidden_act={config.hidden_act!r}: only 'silu' (SwiGLU) is "
                          "supported")
-    if model_type == "qwen2":
+    if model_type in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe"):
         if getattr(config, "use_sliding_window", False):
             raise ValueError("config.json use_sliding_window=true: sliding-window attention is "
                              "not supported; convert a model with use_sliding_window=false")
-        qkv_bias, linear_bias = True, False
+        # Qwen2 always has q/k/v biases, Qwen2-MoE its qkv_bias (true by default); Qwen3 has
+        # attention_bias (false in its releases).
+        if model_type == "qwen2_moe":
+            qkv_bias = bool(getattr(config, "qkv_bias", True))
+        else:
+            qkv_bias = model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
+        linear_bias = False
     else:
         attention_bias = bool(getattr(config, "attention_bias", False))
         mlp_bias = bool(getattr(config, "mlp_bias", False))
@@ -169,7 +209,32 @@ def architecture_from_hf_config(config_dict: Mapping[str, Any]) -> HFArchitectur
         rotary_base=_rope_theta(config),
         norm_eps=float(_field(config, "rms_norm_eps")),
         max_position_embeddings=int(_field(config, "max_position_embeddings")),
+        qk_norm=model_type in QK_NORM_MODEL_TYPES,
+        moe=_experts(config) if model_type in MOE_MODEL_TYPES else None,
     )
+
+
+def _experts(config: Any) -> HFExperts:
+    """The routed experts of a Qwen3-MoE / Qwen2-MoE config, refusing what Megatron's MoE layer
+    would not reproduce."""
+    if getattr(config, "mlp_only_layers", None):
+        raise ValueError(f"config.json mlp_only_layers={config.mlp_only_layers}: dense layers "
+                         "among the MoE ones are not converted; convert a model whose every "
+                         "layer is MoE")
+    step = int(getattr(config, "decoder_sparse_step", 1) or 1)
+    if step != 1:
+        # Hugging Face makes layers step-1, 2 step-1, ... MoE; Megatron's moe_layer_freq makes
+        # layers 0, step, ... MoE: only step 1 is the same set of layers.
+        raise ValueError(f"config.json decoder_sparse_step={step}: only 1 (every layer MoE) "
+                         "maps onto model.moe_layer_freq")
+    shared = getattr(config, "shared_expert_intermediate_size", None)
+    return HFExperts(num_experts=int(_field(config, "num_experts")),
+                     topk=int(_field(config, "num_experts_per_tok")),
+                     ffn_hidden_size=int(_field(config, "moe_intermediate_size")),
+                     # Renormalised top-k of a softmax == softmax over the top-k logits
+                     # (Megatron's default); without renormalisation: its pre-softmax router.
+                     pre_softmax=not bool(getattr(config, "norm_topk_prob", False)),
+                     shared_ffn_hidden_size=int(shared) if shared else None)
 
 
 def params_dtype_for(hf_dtype: torch.dtype) -> str:
@@ -203,7 +268,20 @@ def model_config_from_hf(
         untie_embeddings=not arch.tie_word_embeddings,
         layernorm_epsilon=arch.norm_eps,
         params_dtype=params_dtype,
+        qk_layernorm=arch.qk_norm,
+        **_moe_model_fields(arch),
     )
+
+
+def _moe_model_fields(arch: HFArchitecture) -> dict[str, Any]:
+    if arch.moe is None:
+        return {}
+    shared = arch.moe.shared_ffn_hidden_size
+    return {"num_moe_experts": arch.moe.num_experts, "moe_router_topk": arch.moe.topk,
+            "moe_ffn_hidden_size": arch.moe.ffn_hidden_size,
+            "moe_router_pre_softmax": arch.moe.pre_softmax,
+            "moe_shared_expert_ffn_hidden_size": shared,
+            "moe_shared_expert_gate": shared is not None}
 
 
 def check_model_config_matches(model: ModelConfig, arch: HFArchitecture) -> None:
@@ -212,7 +290,10 @@ def check_model_config_matches(model: ModelConfig, arch: HFArchitecture) -> None
                                     seq_length=model.seq_length)
     fields = ("num_layers", "hidden_size", "num_attention_heads", "query_groups",
               "ffn_hidden_size", "normalization", "activation", "position_embedding",
-              "rotary_base", "add_bias_linear", "untie_embeddings", "layernorm_epsilon")
+              "rotary_base", "add_bias_linear", "untie_embeddings", "layernorm_epsilon",
+              "qk_layernorm", "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size",
+              "moe_shared_expert_ffn_hidden_size", "moe_layer_freq", "moe_router_pre_softmax",
+              "moe_shared_expert_gate")
     mismatched = [f"model.{name}: checkpoint {getattr(model, name)!r} vs config.json "
                   f"{getattr(expected, name)!r}"
                   for name in fields if getattr(model, name) != getattr(expected, name)]
@@ -231,6 +312,10 @@ def hf_config_from_model_config(
 ) -> dict[str, Any]:
     """A config.json for a checkpoint that has no Hugging Face source (trained from scratch):
     Qwen2 when only q/k/v carry biases, Llama otherwise."""
+    if model.qk_layernorm or model.num_moe_experts is not None:
+        raise ValueError("a model with model.qk_layernorm or experts has no derived config.json "
+                         "(only Qwen2 / Llama are derived); pass the Qwen3 / Qwen3-MoE "
+                         "config.json it was converted from (to-hf --hf-config)")
     from transformers import LlamaConfig, Qwen2Config
 
     unsupported = {

@@ -68,6 +68,9 @@ def transformer_config(cfg: Config, device: torch.device) -> TransformerConfig:
         layernorm_epsilon=m.layernorm_epsilon,
         add_bias_linear=m.add_bias_linear,
         add_qkv_bias=m.add_qkv_bias,
+        # Also makes finalize_model_grads sum the q/k norms' gradients over TP (each rank's
+        # heads give a partial sum).
+        qk_layernorm=m.qk_layernorm,
         gated_linear_unit=m.activation == "swiglu",
         activation_func=F.silu if m.activation == "swiglu" else F.gelu,
         init_method_std=m.init_method_std,
@@ -128,6 +131,9 @@ def gpt_layer_spec(
     layer.self_attention.submodules.core_attention = core_attention
     layer.input_layernorm = norm
     layer.pre_mlp_layernorm = norm
+    if m.qk_layernorm:
+        layer.self_attention.submodules.q_layernorm = norm
+        layer.self_attention.submodules.k_layernorm = norm
     if m.num_moe_experts is not None:
         # Megatron's MoE layer (router, dispatcher, sketch-capable SequentialMLP experts) in
         # every model.moe_layer_freq-th *global* layer: the chunk's layers are first_layer on.
@@ -205,7 +211,8 @@ def _init_rule(name: str, m: ModelConfig) -> tuple[str, float]:
         # Megatron's scaled init for the two linears that write into the residual stream.
         return "normal", m.init_method_std / math.sqrt(2.0 * m.num_layers)
     if name.endswith(
-        ("router.weight", "linear_qkv.weight", "linear_fc1.weight", "word_embeddings.weight",
+        ("router.weight", "shared_experts.gate_weight", "linear_qkv.weight",
+         "linear_fc1.weight", "word_embeddings.weight",
          "position_embeddings.weight", "output_layer.weight")
     ):
         return "normal", m.init_method_std

@@ -48,6 +48,8 @@ def moe_transformer_kwargs(m: ModelConfig, ep: int) -> dict[str, Any]:
         "moe_shared_expert_intermediate_size": m.moe_shared_expert_ffn_hidden_size,
         "moe_token_dispatcher_type": m.moe_token_dispatcher,
         "moe_layer_freq": m.moe_layer_freq,
+        "moe_router_pre_softmax": m.moe_router_pre_softmax,
+        "moe_shared_expert_gate": m.moe_shared_expert_gate,
         "expert_model_parallel_size": ep,
         # Dropless routing, no auxiliary loss: the loss is the policy's alone, and every routed
         # token reaches its expert (what the identity limit compares against).
