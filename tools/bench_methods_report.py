@@ -32,8 +32,13 @@ def header_lines(results: dict[str, dict[str, Any]], args: Any, lora_rank: int,
                  lora_alpha: float, load: tuple[float, float, float]) -> list[str]:
     first = next(iter(results.values()))
     cfg = first["config"]
+    experts = getattr(args, "moe_experts", 0)
+    moe = (f"; every layer MoE: {experts} experts top-{args.moe_topk}, expert ffn "
+           f"{args.moe_ffn or args.ffn}"
+           + (f", shared expert ffn {args.moe_shared_ffn}" if args.moe_shared_ffn else "")
+           + f", ep={args.ep}") if experts else ""
     return [
-        f"model: {args.layers} layers, hidden {args.hidden}, ffn {args.ffn} (SwiGLU), "
+        f"model: {args.layers} layers, hidden {args.hidden}, ffn {args.ffn} (SwiGLU){moe}, "
         f"{args.heads} heads, vocab {args.vocab}; batch {args.microbatches} x "
         f"{args.micro_batch_size} x {args.seq_length} tokens per DP rank; tp={args.tp} "
         f"sp={'on' if args.sp else 'off'} on {args.procs} process(es), "

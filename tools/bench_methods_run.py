@@ -10,6 +10,7 @@ benchmark becomes the config key that owns it (``--recompute`` -> ``model.recomp
 from __future__ import annotations
 
 import argparse
+import re
 import time
 from typing import Any
 
@@ -19,6 +20,7 @@ from bench_methods_report import is_logra
 METHODS = ("dense_adam", "lora", "logra", "logra_paper")
 OPTIMIZER_NAMES = {"dense_adam": "adam", "lora": "lora", "logra": "logra", "logra_paper": "logra"}
 DATA_SEED = 20
+_LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.\d+$")
 LORA_SEED = 7
 
 
@@ -57,6 +59,13 @@ def method_config(args: argparse.Namespace, key: str, world: int) -> Any:
         f"model.recompute={args.recompute}", f"model.attention={args.attention}",
         f"model.params_dtype={args.dtype}",
     ]
+    if args.moe_experts:
+        overrides += [f"model.num_moe_experts={args.moe_experts}",
+                      f"model.moe_router_topk={args.moe_topk}", f"parallel.ep={args.ep}"]
+        if args.moe_ffn:
+            overrides.append(f"model.moe_ffn_hidden_size={args.moe_ffn}")
+        if args.moe_shared_ffn:
+            overrides.append(f"model.moe_shared_expert_ffn_hidden_size={args.moe_shared_ffn}")
     mode = master_mode(args, key) if is_logra(key) else None
     if mode is not None:
         overrides.append(f"logra.master_weights={mode}")
@@ -181,6 +190,8 @@ def built_settings(cfg: Any, setup: Any) -> dict[str, Any]:
     """What the built model and optimizer run, read back from them (not from the flags)."""
     chunk = setup.model_chunks[0]
     core = [type(m).__name__ for n, m in chunk.named_modules() if n.endswith("core_attention")]
+    # Routed experts as built on this rank: the MLPs in Megatron's SequentialMLP containers.
+    experts = [n for n, _ in chunk.named_modules() if _LOCAL_EXPERT.search(n)]
     stores = sorted({type(m).__name__ for m in setup.logra.masters.values()}) if setup.logra else []
     return {
         "params_dtype": cfg.model.params_dtype, "attention": cfg.model.attention,
@@ -190,4 +201,5 @@ def built_settings(cfg: Any, setup: Any) -> dict[str, Any]:
         "recompute_granularity": chunk.config.recompute_granularity,
         "core_attention": sorted(set(core)), "master_stores": stores,
         "kl_control": setup.kl_control is not None,
+        "num_moe_experts": cfg.model.num_moe_experts, "local_experts": len(experts),
     }

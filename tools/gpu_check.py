@@ -96,7 +96,11 @@ MERGE_SHAPES = ((4096, 4096), (28672, 4096))  # a square projection; a 7B-sized 
 # sections have their own budgets, 390 s: tools/gpu_check_sync.py).
 # memory gets most: bench_methods starts 4 processes, and the model's layout-invariant
 # initialisation draws every full weight from a CPU generator (1e9 normals per model).
-BUDGET_S = {"tp_parity": 130, "te_spec": 70, "memory": 240, "master_merge": 30}
+BUDGET_S = {"tp_parity": 130, "te_spec": 70, "memory": 240, "master_merge": 30,
+            "moe_grouped": 60}
+# Grouped bf16 expert sketches vs the fp32 per-expert loop: bf16 inputs and one bf16 rounding of
+# each P and S entry (2^-8 relative), summed over hundreds of tokens (the CPU run: 2.3e-3).
+GROUPED_SKETCH_BF16_REL = 2e-2
 
 
 @dataclass
@@ -235,9 +239,31 @@ def master_merge(out: Path) -> dict[str, Any]:
     return figures
 
 
+def moe_grouped(out: Path) -> dict[str, Any]:
+    """Per-expert sketches of one 30B-A3B-like MoE layer as two grouped GEMMs (docs/moe.md), on
+    the GPU in bf16, against the fp32 per-expert loop; times beside the dense grouped wgrad."""
+    require(cuda_missing())
+    if not hasattr(torch, "_grouped_mm"):
+        raise SectionSkipped(f"torch {torch.__version__} has no torch._grouped_mm")
+    deadline = time.monotonic() + BUDGET_S["moe_grouped"]
+    stdout = run_logged([sys.executable, "tools/bench_grouped_sketch.py", "--device", "cuda",
+                         "--dtype", "bf16", "--json"], deadline, out / "moe_grouped.log")
+    figures = json.loads(stdout)
+    figures["grouped_rel_error_tolerance"] = GROUPED_SKETCH_BF16_REL
+    bad = []
+    if figures["grouped_rel_error"] > GROUPED_SKETCH_BF16_REL:
+        bad.append(f"grouped sketch differs from the loop by {figures['grouped_rel_error']:.2e} "
+                   f"> {GROUPED_SKETCH_BF16_REL:.0e}")
+    if figures["idle_expert_nonzeros"]:
+        bad.append(f"the idle expert's sketch has {figures['idle_expert_nonzeros']} nonzeros")
+    if bad:
+        raise SectionFailed("; ".join(bad), figures)
+    return figures
+
+
 SECTIONS: dict[str, Callable[[Path], dict[str, Any]]] = {
     "tp_parity": tp_parity, "te_spec": te_spec, "memory": memory,
-    "master_merge": master_merge, **gpu_check_sync.SECTIONS,
+    "master_merge": master_merge, "moe_grouped": moe_grouped, **gpu_check_sync.SECTIONS,
 }
 
 
@@ -293,6 +319,11 @@ def _figure_line(record: Record) -> str:
             for m in ("dense_adam", "lora", "logra") if m in f)
     if record.section in gpu_check_sync.SECTIONS:
         return gpu_check_sync.figure_line(record.section, f)
+    if record.section == "moe_grouped" and "grouped_s" in f:
+        return (f"  grouped sketch {f['grouped_s'] * 1e3:.2f} ms vs per-expert loop "
+                f"{f['loop_s'] * 1e3:.2f} ms vs dense grouped wgrad "
+                f"{f['dense_wgrad_s'] * 1e3:.2f} ms; relative error "
+                f"{f['grouped_rel_error']:.1e} (tolerance {GROUPED_SKETCH_BF16_REL:.0e})")
     if record.section == "master_merge" and record.status == "ok":
         return "\n".join(f"  {shape}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in
                                                      f[shape]["merge_ms"].items())

@@ -96,6 +96,34 @@ def test_paper_step_times_its_kl_probe_inside_the_step(tmp_path, host_paper_memo
     assert "host masters (measured, not device)" in table
 
 
+# The estimator is calibrated to 10% of the measured peak on the models the product builds
+# (tests/unit/test_estimate_vs_measured.py); the MoE columns are held to the same bound.
+MOE_ESTIMATE_TOLERANCE = 0.10
+# Persistent state is counted element by element on both sides (experts' sketches, projections,
+# row moments, weights): they agree to the byte up to the few scalars the estimate leaves out.
+MOE_PERSISTENT_TOLERANCE = 0.01
+
+
+def test_moe_flags_build_routed_experts_and_the_estimate_follows_them(tmp_path):
+    r = _child(tmp_path, "logra", "--methods", "logra", "--moe-experts", "4", "--moe-topk", "2",
+               "--moe-ffn", "32")
+    built = r["config"]
+    assert built["num_moe_experts"] == 4
+    assert built["local_experts"] == 4 * TINY_GPT["num_layers"]  # every layer MoE, EP=1
+    # Every expert linear's own sketch, projection and moments, counted on both sides.
+    state = sum(v for k, v in r["state_bytes"].items() if k != "host_optimizer_state")
+    assert abs(r["estimate"]["persistent_bytes"] - state) <= MOE_PERSISTENT_TOLERANCE * state
+    measured, estimated = r["peak_bytes"], r["estimate"]["total_bytes"]
+    assert abs(estimated - measured) <= MOE_ESTIMATE_TOLERANCE * measured
+
+
+def test_moe_with_lora_is_refused_before_any_method_runs(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench_methods.main([*TINY, "--moe-experts", "4"])
+    assert exit_info.value.code == 2
+    assert "--methods contains lora" in capsys.readouterr().err
+
+
 def test_master_weights_that_do_not_fit_the_dtype_exit_2_naming_the_key(capsys):
     with pytest.raises(SystemExit) as exit_info:
         bench_methods.main([*TINY, "--methods", "logra", "--master-weights", "host"])
