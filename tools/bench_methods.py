@@ -168,7 +168,7 @@ def _check_args(args: argparse.Namespace) -> list[str]:
         methods = [f"{m}@{mode}" if is_logra(m) else m for m in methods
                    for mode in (modes if is_logra(m) else [None])]
     for flag in ("layers", "hidden", "heads", "ffn", "vocab", "seq_length", "micro_batch_size",
-                 "microbatches", "sketch_rank", "procs", "tp", "steps", "kernel_reps",
+                 "microbatches", "sketch_rank", "procs", "tp", "ep", "steps", "kernel_reps",
                  "large_reps",
                  "kernel_tokens", "kernel_sketch_rank"):
         value = getattr(args, flag)
@@ -179,8 +179,8 @@ def _check_args(args: argparse.Namespace) -> list[str]:
                          "optimizer state, which the memory step must not include as new")
     if args.procs % args.tp:
         raise ValueError(f"--procs={args.procs} must be a multiple of --tp={args.tp}")
-    if args.moe_experts < 0 or args.ep < 1:
-        raise ValueError(f"--moe-experts={args.moe_experts} must be >= 0 and --ep={args.ep} >= 1")
+    if args.moe_experts < 0:
+        raise ValueError(f"--moe-experts={args.moe_experts} must be >= 0 (0: a dense GPT)")
     if args.moe_experts and "lora" in methods:
         # The config refuses it too (optimizer.name=lora with model.num_moe_experts), but after
         # a process per method was started: say it before anything runs.

@@ -43,7 +43,8 @@ from megatron_logra.mcore.conversion import (  # noqa: E402
     hf_tensors_from_megatron,
     write_safetensors,
 )
-from megatron_logra.rollout.vllm_engine import DEFAULT_VENV, VLLMEngine  # noqa: E402
+from megatron_logra.rollout.vllm_engine import VLLMEngine  # noqa: E402
+from megatron_logra.rollout.vllm_setup import DEFAULT_VLLM_VENV  # noqa: E402
 from megatron_logra.sync.checksum import weight_checksums  # noqa: E402
 from megatron_logra.sync.records import FactorPiece, LowRankUpdate, full_sync_buckets  # noqa: E402
 from megatron_logra.sync.shadow import EngineShadow  # noqa: E402
@@ -111,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument(flag, type=int, default=default)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--transport", choices=["rpc", "collective"], default="rpc")
-    parser.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="the vLLM venv")
+    parser.add_argument("--venv", type=Path, default=DEFAULT_VLLM_VENV, help="the vLLM venv")
     parser.add_argument("--devices", type=lambda s: [int(d) for d in s.split(",")], default=[],
                         help="CUDA devices of vLLM's workers (comma-separated); none: CPU vLLM")
     parser.add_argument("--channel-device", choices=["cpu", "cuda"], default="cpu",

@@ -22,11 +22,11 @@ from typing import Any
 from megatron_logra.rollout.collective_sync import CollectiveSender, TransportStats, channel_device
 from megatron_logra.rollout.placement import engine_device_env
 from megatron_logra.rollout.rpc import EngineError, EngineProcesses, RpcClient
+from megatron_logra.rollout.vllm_setup import DEFAULT_VLLM_VENV
 from megatron_logra.sync.checksum import mismatched_weights
 from megatron_logra.sync.wire import PROTOCOL_VERSION
 
 REPO = Path(__file__).resolve().parents[2]
-DEFAULT_VENV = REPO / ".venv-vllm"
 # Engine start is 24-39 s on a quiet 2-core machine and 156-315 s was measured on a loaded one;
 # 600 s leaves room for a slower one.
 DEFAULT_START_TIMEOUT_S = 600.0
@@ -56,7 +56,7 @@ class VLLMEngine:
 
     def __init__(self, hf_dir: str | Path, *, target_names: Iterable[str],
                  tensor_parallel: int = 1, dtype: str = "float32", max_model_len: int | None = None,
-                 seed: int = 0, venv: str | Path = DEFAULT_VENV, log_path: str | Path | None = None,
+                 seed: int = 0, venv: str | Path = DEFAULT_VLLM_VENV, log_path: str | Path | None = None,
                  start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
                  request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S, transport: str = "rpc",
                  channel_device: str = "cpu", devices: Iterable[int] = ()) -> None:
