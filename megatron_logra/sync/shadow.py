@@ -80,16 +80,16 @@ def _merge_piece_(master_OI: torch.Tensor, shard: TensorShard, full_shape: tuple
             cols == slice(0, master_OI.shape[1])):
         apply_low_rank_update_(master_OI, factor_OR, proj_RI, lr=lr, weight_decay=wd)
         return
+    # The piece's block: gathered whole from the shard, or a scratch block at the piece's shape
+    # holding the shard's entries; either way only the shard's entries are written back.
+    piece_cols = slice(c_lo - piece.col_start, c_hi - piece.col_start)
     if inside:
         block_OI = master_OI[local, cols].contiguous()
-        apply_low_rank_update_(block_OI, factor_OR, proj_RI, lr=lr, weight_decay=wd)
-        master_OI[local, cols] = block_OI
-        return
-    piece_cols = slice(c_lo - piece.col_start, c_hi - piece.col_start)
-    scratch_OI = torch.zeros(local.numel(), piece.col_end - piece.col_start)
-    scratch_OI[held, piece_cols] = master_OI[local[held], cols]
-    apply_low_rank_update_(scratch_OI, factor_OR, proj_RI, lr=lr, weight_decay=wd)
-    master_OI[local[held], cols] = scratch_OI[held, piece_cols]
+    else:
+        block_OI = torch.zeros(local.numel(), piece.col_end - piece.col_start)
+        block_OI[held, piece_cols] = master_OI[local[held], cols]
+    apply_low_rank_update_(block_OI, factor_OR, proj_RI, lr=lr, weight_decay=wd)
+    master_OI[local[held], cols] = block_OI[held, piece_cols]
 
 
 class EngineShadow:
