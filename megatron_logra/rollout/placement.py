@@ -45,10 +45,11 @@ def engine_device_env(devices: Sequence[int], *, cuda_device_count: int,
         raise ValueError(f"rollout.devices={list(devices)} names device {max(devices)}, and this "
                          f"machine has {cuda_device_count} (0-{cuda_device_count - 1}); choose "
                          "devices it has")
-    overlap = sorted(set(devices) & set(trainer_devices(environ)))
+    trainer = trainer_devices(environ)
+    overlap = sorted(set(devices) & set(trainer))
     if overlap:
         raise ValueError(
             f"rollout.devices={list(devices)} overlaps the trainer's devices "
-            f"{trainer_devices(environ)} at {overlap}: the engine and the trainer would share "
+            f"{trainer} at {overlap}: the engine and the trainer would share "
             "a GPU; give the engine devices of its own")
     return {"CUDA_VISIBLE_DEVICES": ",".join(str(d) for d in devices)}
