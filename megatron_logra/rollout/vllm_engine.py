@@ -1,7 +1,7 @@
 """``VLLMEngine``: a vLLM engine in its own venv and process, kept in step by sync records.
 
 vLLM pins versions that conflict with ours (transformers, numpy, fastapi, ...), so it runs in
-``.venv-vllm`` (``make setup-vllm``) as ``megatron_logra_vllm.server``; this client starts it,
+``.venv-vllm`` (``make setup-vllm``) as ``megatron_logra.vllm_plugin.server``; this client starts it,
 speaks to it over two pipes (pickled plain values; records as their wire bytes) and turns its
 failures into errors that name the cause. The engine protocol: ``start()``, ``generate(...)``,
 ``apply_sync(payload)`` (one ``megatron_logra.sync.wire.encode`` record), ``weight_checksums()``
@@ -104,7 +104,7 @@ class VLLMEngine:
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         env.update({
             # This checkout's sync code and plugin, whatever the venv was installed from.
-            "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "megatron_logra_vllm")]),
+            "PYTHONPATH": str(REPO),
             "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "VLLM_CPU_KVCACHE_SPACE": "1",
             # One core per CPU worker; vLLM refuses TP > 1 on CPU without an explicit binding.
             "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i % (os.cpu_count() or 1))
@@ -117,7 +117,7 @@ class VLLMEngine:
                                          environ=os.environ))
         with open(self.log_path, "ab") as log:
             self._procs.add("process", subprocess.Popen(
-                [str(python), "-m", "megatron_logra_vllm.server", "--fd-in", str(req_r),
+                [str(python), "-m", "megatron_logra.vllm_plugin.server", "--fd-in", str(req_r),
                  "--fd-out", str(rep_w)],
                 pass_fds=(req_r, rep_w), stdout=log, stderr=subprocess.STDOUT, env=env,
                 cwd=str(REPO)), self.log_path)

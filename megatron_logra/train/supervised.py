@@ -16,19 +16,19 @@ from typing import Any
 
 import torch
 
-from megatron_logra.config import Config, KLControlConfig
+from megatron_logra.config import Config
 from megatron_logra.data.dataset_dir import load_tokens
-from megatron_logra.data.lm_batches import LMBatchSchedule, Microbatch
+from megatron_logra.data.lm_batches import LMBatchSchedule
 from megatron_logra.data.prompt_data import SupervisedBatchSchedule, load_problems
 from megatron_logra.data.run_tokenizer import embedding_rows, load_run_tokenizer
 from megatron_logra.mcore import (
     ParallelGroups,
-    ProbeBatch,
     build_model_chunks,
     load_model_weights,
     setup_training,
     train_step,
 )
+from megatron_logra.probe_batch import supervised_probe_batch
 from megatron_logra.train.loop import run
 from megatron_logra.train.metrics import memory_bytes
 
@@ -51,23 +51,6 @@ def batch_schedule(cfg: Config, tokenizer: Any) -> LMBatchSchedule | SupervisedB
         seq_length=cfg.model.seq_length,
         global_batch_size=cfg.train.global_batch_size,
         seed=cfg.train.seed,
-    )
-
-
-def probe_batch(
-    microbatches: list[Microbatch], settings: KLControlConfig, *, dp_rank: int
-) -> ProbeBatch:
-    """The KL probe of a supervised step: the first ``probe_responses`` sequences of the global
-    batch that this DP rank holds (possibly none), every label position counted, at most
-    ``probe_max_tokens`` positions each."""
-    per_rank = sum(batch.tokens.shape[0] for batch in microbatches)
-    rows = max(0, min(settings.probe_responses - dp_rank * per_rank, per_rank))
-    tokens = torch.cat([batch.tokens for batch in microbatches])[:rows]
-    length = min(settings.probe_max_tokens, tokens.shape[1])
-    return ProbeBatch(
-        tokens=tokens[:, :length],
-        position_ids=torch.cat([batch.position_ids for batch in microbatches])[:rows, :length],
-        mask=torch.cat([batch.loss_mask for batch in microbatches])[:rows, :length] > 0,
     )
 
 
@@ -101,7 +84,8 @@ class SupervisedJob:
         control = setup.kl_control
         if control is not None:
             settings = cfg.logra.kl_control
-            control.set_batch(probe_batch(microbatches, settings, dp_rank=groups.dp_rank))
+            control.set_batch(supervised_probe_batch(microbatches, settings,
+                                                     dp_rank=groups.dp_rank))
             if settings.mismatch_input is not None:
                 control.observe_mismatch(settings.mismatch_input)
         result = train_step(setup, microbatches, groups=groups, seq_length=cfg.model.seq_length,

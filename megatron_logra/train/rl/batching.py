@@ -12,8 +12,6 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_logra.config import KLControlConfig
-from megatron_logra.mcore import ProbeBatch
 from megatron_logra.rl.rollout import PaddedRollout, RolloutBatch
 
 
@@ -88,17 +86,3 @@ def rl_microbatches(
             old_logprobs=old_logprobs[rows].to(device) if old_logprobs is not None else None,
         ))
     return microbatches
-
-
-def probe_batch(
-    padded: PaddedRollout, share: range, settings: KLControlConfig, device: torch.device
-) -> ProbeBatch:
-    """The first ``probe_responses`` responses of the global batch held by this DP rank, at
-    their generated positions, at most ``probe_max_tokens`` positions."""
-    rows = max(0, min(settings.probe_responses - share.start, len(share)))
-    length = min(settings.probe_max_tokens, padded.tokens.shape[1])
-    return ProbeBatch(
-        tokens=padded.tokens[:rows, :length].to(device),
-        position_ids=padded.position_ids[:rows, :length].to(device),
-        mask=padded.response_mask[:rows, :length].to(device),
-    )

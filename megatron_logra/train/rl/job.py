@@ -40,6 +40,7 @@ from megatron_logra.mcore import (
     setup_training,
 )
 from megatron_logra.mcore.models.sync_state import target_param_names
+from megatron_logra.probe_batch import rollout_probe_batch
 from megatron_logra.rl.eval_answers import eval_answers_path, write_eval_answers
 from megatron_logra.rl.presets import build_preset
 from megatron_logra.rl.prompt_schedule import PromptSchedule
@@ -47,7 +48,7 @@ from megatron_logra.rl.rewards import build_reward
 from megatron_logra.rollout.factory import make_engine, vllm_checkpoint_dir
 from megatron_logra.train.loop import run
 from megatron_logra.train.metrics import memory_bytes
-from megatron_logra.train.rl.batching import pad_to_length, probe_batch, rl_microbatches
+from megatron_logra.train.rl.batching import pad_to_length, rl_microbatches
 from megatron_logra.train.rl.collectives import from_world_rank0
 from megatron_logra.train.rl.engine_checkpoint import write_engine_checkpoint
 from megatron_logra.train.rl.engine_rollouts import SeparateEngineRollouts
@@ -186,7 +187,7 @@ class RLJob:
         microbatches = rl_microbatches(padded, scored.advantages, reference_logprobs,
                                        micro_batch_size=cfg.train.micro_batch_size,
                                        device=groups.device, old_logprobs=old_logprobs)
-        probe = (probe_batch(padded, scored.share, cfg.logra.kl_control, groups.device)
+        probe = (rollout_probe_batch(padded, scored.share, cfg.logra.kl_control, groups.device)
                  if setup.kl_control is not None else None)
         step_metrics = setup.step_metrics()
         updates = [

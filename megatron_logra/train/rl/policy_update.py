@@ -19,11 +19,11 @@ import torch
 
 from megatron_logra.mcore import (
     ParallelGroups,
-    ProbeBatch,
     TrainingSetup,
     forward_backward,
     token_logprobs_from_logits,
 )
+from megatron_logra.probe_batch import ProbeBatch
 from megatron_logra.rl.losses import rollout_mismatch_sums
 from megatron_logra.rl.presets import PolicyLoss
 from megatron_logra.train.rl.batching import RLMicrobatch

@@ -27,11 +27,11 @@ from harness import Case, run_worker
 from megatron_logra.config import load_config
 from megatron_logra.data.dataset_dir import load_tokenizer, load_tokens
 from megatron_logra.data.lm_batches import LMBatchSchedule
-from megatron_logra.mcore.kl_probe.step_control import ProbeBatch
 from megatron_logra.mcore.models.gpt import build_model_chunks
 from megatron_logra.mcore.training.forward_backward import forward_backward
 from megatron_logra.mcore.training.setup import setup_training
 from megatron_logra.mcore.training.step import _forward_step
+from megatron_logra.probe_batch import ProbeBatch
 from megatron_logra.train.rl.job import RLJob
 from tests.presets import tiny_gpt, tiny_kl_controlled_logra
 from tests.torchrun import REPO

@@ -22,7 +22,7 @@ from megatron_logra.sync.records import FullSyncBucket
 from megatron_logra.sync.shadow import EngineShadow
 from megatron_logra.sync.transport import ChannelAddress, TensorChannel, payload_digest
 from megatron_logra.sync.wire import decode
-from megatron_logra_vllm.layout import (
+from megatron_logra.vllm_plugin.layout import (
     ServedArch,
     hf_tensors,
     target_tp_shard,

@@ -1,5 +1,5 @@
-"""The vLLM engine process: ``python -m megatron_logra_vllm.server --fd-in R --fd-out W``, started
-by the trainer's ``megatron_logra.rollout.vllm_engine.VLLMEngine`` in the vLLM venv.
+"""The vLLM engine process: ``python -m megatron_logra.vllm_plugin.server --fd-in R --fd-out
+W``, started by the trainer's ``megatron_logra.rollout.vllm_engine.VLLMEngine`` in the vLLM venv.
 
 Requests and replies are pickled tuples of plain Python values over two pipes (the client's venv
 and this one share no classes; sync records stay wire bytes). Each request is ``(method,
@@ -15,9 +15,9 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
-from megatron_logra_vllm import VLLM_VERSION
+from megatron_logra.vllm_plugin import VLLM_VERSION
 
-EXTENSION = "megatron_logra_vllm.extension.LowRankSyncExtension"
+EXTENSION = "megatron_logra.vllm_plugin.extension.LowRankSyncExtension"
 
 
 def check_versions(client_protocol: int, engine_protocol: int, vllm_version: str) -> None:
@@ -43,7 +43,7 @@ class Engine:
         from vllm import LLM
 
         from megatron_logra.sync.wire import PROTOCOL_VERSION
-        from megatron_logra_vllm.layout import ServedArch
+        from megatron_logra.vllm_plugin.layout import ServedArch
 
         check_versions(protocol_version, PROTOCOL_VERSION, vllm.__version__)
         self.llm = LLM(model=hf_dir, dtype=dtype, tensor_parallel_size=tensor_parallel,
@@ -116,8 +116,8 @@ class Engine:
 
     def weight_checksums(self) -> dict[str, str]:
         from megatron_logra.sync.checksum import weight_checksums
-        from megatron_logra_vllm.extension import load_served
-        from megatron_logra_vllm.layout import hf_from_vllm_shards
+        from megatron_logra.vllm_plugin.extension import load_served
+        from megatron_logra.vllm_plugin.layout import hf_from_vllm_shards
 
         shards = [load_served(b) for b in self.llm.collective_rpc("megatron_logra_served")]
         return weight_checksums(sorted(hf_from_vllm_shards(shards, self.arch).items()))
