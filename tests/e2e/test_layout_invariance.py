@@ -33,6 +33,7 @@ import pytest
 from megatron_logra.train.metrics import read_metrics
 from tests.cli_runs import CliRuns, run_differences
 from tests.layouts import (
+    DISTOPT,
     LAYOUTS,
     LOGRA_LAYOUT_LOSS_REL_TOL,
     LOGRA_LAYOUT_WEIGHT_REL_TOL,
@@ -131,7 +132,7 @@ def test_context_parallel_checkpoint_resumed_at_cp1_matches_the_uninterrupted_ru
     row moments and the distributed Adam state resharded from 4 DP x CP ranks to 1)."""
     _run(runs, "dp2_cp2_distopt")
     resumed = runs.forked("cp2_resumed_at_cp1", "dp2_cp2_distopt", CP_RESUME_AT,
-                          (1, [*LAYOUTS["tp1"][1], MICRO_BATCH_4]))
+                          (1, [*LAYOUTS["tp1"][1], *DISTOPT, MICRO_BATCH_4]))
     loss_err, weight_err = _compare(resumed, _run(runs, "reference"))
     assert loss_err < RESHARD_LOSS_REL_TOL, loss_err
     assert weight_err < RESHARD_WEIGHT_REL_TOL, weight_err
