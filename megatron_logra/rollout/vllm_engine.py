@@ -129,7 +129,8 @@ class VLLMEngine:
         self.info = self._call("start", self.start_timeout_s, protocol_version=PROTOCOL_VERSION,
                                hf_dir=str(self.hf_dir), tensor_parallel=self.tensor_parallel,
                                dtype=self.dtype, max_model_len=self.max_model_len,
-                               seed=self.seed, target_names=self.target_names)
+                               seed=self.seed, target_names=self.target_names,
+                               merge_device=channel_device(self.channel_device).type)
         if self.transport == "collective":
             self._sender = CollectiveSender(
                 self._rpc, engine_ranks=self.tensor_parallel,
@@ -187,6 +188,11 @@ class VLLMEngine:
             self._sender.apply(payload, timeout_s=self.request_timeout_s)
         else:
             self._call("apply_sync", self.request_timeout_s, payload=payload)
+
+    @property
+    def replay_device(self) -> str:
+        """The device kind vLLM's workers replay low-rank merges on (after ``start``)."""
+        return self.info["replay_device"]
 
     @property
     def transport_stats(self) -> TransportStats | None:

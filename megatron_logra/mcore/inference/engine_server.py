@@ -45,7 +45,8 @@ from megatron_logra.rl.rollout import SamplingParams
 from megatron_logra.rollout.megatron_engine import AUTHKEY_ENV, ENGINE_PROTOCOL
 from megatron_logra.rollout.rpc import disable_nagle
 from megatron_logra.sync.checksum import weight_checksum
-from megatron_logra.sync.records import DenseUpdate, FullSyncBucket, LowRankUpdate
+from megatron_logra.sync.records import FullSyncBucket
+from megatron_logra.sync.replay_device import replay_device
 from megatron_logra.sync.shadow import EngineShadow
 from megatron_logra.sync.shard import megatron_tp_shard
 from megatron_logra.sync.transport import ChannelAddress, TensorChannel, payload_digest
@@ -85,8 +86,11 @@ class EngineRank:
             if body.get("protocol") != ENGINE_PROTOCOL:
                 raise RuntimeError(f"protocol mismatch: the trainer speaks "
                                    f"{body.get('protocol')!r}, this engine {ENGINE_PROTOCOL!r}")
+            # Merges are replayed on the trainer's kind of device where this rank has one.
+            self.shadow.replay_device = replay_device(body["merge_device"], self.groups.device)
             return {"protocol": ENGINE_PROTOCOL, "tp": self.groups.tp_size,
-                    "targets": sorted(self.shadow.target_names)}
+                    "targets": sorted(self.shadow.target_names),
+                    "replay_device": self.shadow.replay_device.type}
         if op == "generate":
             return self._generate(body)
         if op == "sync":
@@ -132,16 +136,7 @@ class EngineRank:
                     raise RuntimeError(
                         f"full sync names differ from the engine's parameters: missing "
                         f"{sorted(known - sent)[:4]}, unknown {sorted(sent - known)[:4]}")
-            self.shadow.apply(record)
-            changed = list(self.params) if record.index == record.num_buckets - 1 else []
-        elif isinstance(record, LowRankUpdate):
-            self.shadow.apply(record)
-            changed = [record.param_name]
-        elif isinstance(record, DenseUpdate):
-            self.shadow.apply(record)
-            changed = [record.name]
-        else:
-            raise RuntimeError(f"not a sync record: {type(record).__name__}")
+        changed = self.shadow.apply(record)  # raises, changing nothing, on a refused record
         with torch.no_grad():
             for name in changed:
                 self.params[name].copy_(self.shadow.served[name])  # this rank's shard
