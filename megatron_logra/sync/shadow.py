@@ -140,6 +140,12 @@ class EngineShadow:
         self.counts: dict[str, int] = {}
         self._pending: list[FullSyncBucket] = []
 
+    def invalidate(self) -> None:
+        """Forget every weight: after a failure that left the served model and the shadow apart,
+        every record but a full sync is refused (naming the missing full sync)."""
+        self.masters, self.served, self.full_shapes, self.counts = {}, {}, {}, {}
+        self._pending = []
+
     def shard_of(self, name: str, full_shape: tuple[int, ...]) -> TensorShard:
         shard = self.shards.get(name) or whole(full_shape)
         shard.check(full_shape, name)

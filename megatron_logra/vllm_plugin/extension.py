@@ -90,7 +90,15 @@ class LowRankSyncExtension:
     def _apply(self, payload: bytes) -> list[str]:
         shadow: EngineShadow = self._logra_shadow
         names = shadow.apply(decode(payload))  # raises, changing nothing, on a refused record
-        self._load(names)
+        try:
+            self._load(names)
+        except Exception as error:
+            # The shadow took the record, the served model did not: they differ now, so refuse
+            # everything until a full sync rebuilds both.
+            shadow.invalidate()
+            raise RuntimeError(f"loading {names[:4]} into vLLM failed after the shadow took "
+                               f"the record ({type(error).__name__}: {error}); the engine "
+                               "refuses every record until a full sync") from error
         return names
 
     def _load(self, names: list[str]) -> None:

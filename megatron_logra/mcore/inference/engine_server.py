@@ -143,6 +143,20 @@ class EngineRank:
         return {"update_count": getattr(record, "update_count", None)}
 
 
+def combined_reply(replies: list[tuple[str, Any]]) -> tuple[str, Any]:
+    """The trainer's answer from every engine rank's ``(status, value)``, in rank order: rank 0's
+    value if all succeeded, else an error naming each rank that failed and its message."""
+    failed: dict[str, list[int]] = {}
+    for r, (status, value) in enumerate(replies):
+        if status != "ok":
+            failed.setdefault(value, []).append(r)
+    if not failed:
+        return replies[0]
+    return "error", "; ".join(
+        f"engine rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {message}"
+        for message, ranks in failed.items())
+
+
 def serve(cfg, port: int, authkey: bytes) -> None:
     groups = init_parallel(cfg)
     world = dist.group.WORLD
@@ -170,8 +184,15 @@ def serve(cfg, port: int, authkey: bytes) -> None:
             except Exception as error:  # noqa: BLE001 -- answered to the trainer, named there
                 reply = ("error", f"{type(error).__name__}: {error}")
                 logger.warning("request %s failed: %s", op, reply[1])
-            if conn is not None and op != "idle":
-                conn.send(reply)
+            if op == "idle":
+                continue
+            # Every rank's status reaches the reply: a rank that failed on its own shard would
+            # otherwise leave it stale, unseen until a checksum.
+            replies: list[Any] = [None] * groups.world_size if groups.world_rank == 0 else []
+            dist.gather_object(reply, replies if groups.world_rank == 0 else None, dst=0,
+                               group=world)
+            if conn is not None:
+                conn.send(combined_reply(replies))
     finally:
         if rank is not None and rank.channel is not None:
             rank.channel.close()
