@@ -67,8 +67,11 @@ class EngineRank:
         self.chunks = build_model_chunks(cfg, groups, vocab_size=embedding_rows(cfg, tokenizer))
         self.sampler = MegatronSampler(self.chunks, groups, vocab_size=tokenizer.vocab_size)
         self.params = dict(global_named_parameters(self.chunks[0]))
+        # An fp32 shadow of the targets only where low-rank records arrive (the trainer's
+        # engine_shadow_targets): full and delta sync hand the engine its served weights.
+        low_rank = cfg.sync.resolved_mode(cfg.optimizer.name) == "low_rank"
         targets = (target_param_names(cfg.logra.targets, cfg.model.num_layers)
-                   if cfg.optimizer.name == "logra" else [])
+                   if cfg.optimizer.name == "logra" and low_rank else [])
         missing = sorted(set(targets) - self.params.keys())
         if missing:
             raise RuntimeError(f"the engine's model has no parameters {missing[:4]}")
