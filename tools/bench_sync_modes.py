@@ -29,8 +29,8 @@ within a run: the machine's load is printed).
 
 Then the same table extrapolated to the 1.5B / 7B / 27B presets (``configs/``): full and
 low-rank from the shapes (:mod:`megatron_logra.sync.sizes`); delta as the larger model's
-measured compressed bytes per parameter at the matching update ratio times the preset's
-parameters (the fraction of bf16 entries that flip depends on each entry's relative step, not
+measured compressed bytes per target parameter at the matching update ratio times the preset's
+target parameters (paper mode changes nothing else; the fraction of bf16 entries that flip depends on each entry's relative step, not
 on the model's size, at a given update ratio).
 """
 
@@ -235,9 +235,11 @@ def presets(results: list[dict]) -> str:
         sizes = model_sync_bytes(shape, sketch_rank=cfg.logra.sketch_rank, wire_dtype="bf16",
                                  non_targets_train=False)
         params = shape.total_parameters()
+        target_params = sizes["targets_full"] // 2  # bf16 bytes -> parameters
         for r in larger:
-            per_param = _median(r["steps"], "delta_bytes") / r["params"]
-            delta = per_param * params
+            # Paper mode changes the targets only: bytes per target parameter, times the
+            # preset's target parameters.
+            delta = _median(r["steps"], "delta_bytes") / r["target_params"] * target_params
             lines.append("| " + " | ".join((
                 f"{name} (r={cfg.logra.sketch_rank})", f"{params / 1e9:.2f} B",
                 f"{_median(r['steps'], 'update_ratio'):.1e}",
@@ -252,7 +254,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=4, help="training steps per run")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--tables-from", type=Path, default=None,
+                        help="print the tables of a saved --out file instead of measuring")
     args = parser.parse_args(argv)
+    if args.tables_from is not None:
+        results = json.loads(args.tables_from.read_text())
+        print(table(results) + "\n\n" + presets(results))
+        return 0
     ensure_dataset()
     from megatron_logra.mcore.process_groups import init_parallel
 
@@ -277,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(results))
     if "larger" in args.models:
         print("\nExtrapolated to the presets (bf16 served, LoGRA paper mode; delta from the larger "
-              "model's bytes per parameter at each update ratio):\n")
+              "model's bytes per target parameter at each update ratio):\n")
         print(presets(results))
     return 0
 
