@@ -40,7 +40,8 @@ LOGPROB_TP_TOLERANCE = 1e-5
 @pytest.fixture(scope="module")
 def engine_run(synthetic_data_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("separate_engine")
-    run_torchrun(2, [str(WORKERS / "separate_engine_worker.py"), "--out", str(out),
+    run_torchrun(2, [str(WORKERS / "separate_engine_worker.py"), "--case", "separate_engine",
+                     "--out", str(out),
                      "--data", str(synthetic_data_dir), "--steps", str(NUM_STEPS),
                      "--trainer-tp", str(TRAINER_TP), "--engine-tp", str(ENGINE_TP)])
     return json.loads((out / "result.json").read_text())
@@ -52,7 +53,8 @@ COLLECTIVE_STEPS = 2
 @pytest.fixture(scope="module")
 def collective_engine_run(synthetic_data_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("separate_engine_collective")
-    run_torchrun(2, [str(WORKERS / "separate_engine_worker.py"), "--out", str(out),
+    run_torchrun(2, [str(WORKERS / "separate_engine_worker.py"), "--case", "separate_engine",
+                     "--out", str(out),
                      "--data", str(synthetic_data_dir), "--steps", str(COLLECTIVE_STEPS),
                      "--engine-tp", "2", "--transport", "collective"])
     return json.loads((out / "result.json").read_text())
