@@ -60,8 +60,8 @@ class SDPAttention(MegatronModule):
         super().__init__(config=config)
         del attention_type, cp_comm_type  # the heads arrive already split per rank
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        # Megatron's context-parallel group when the sequence is split (None: not split).
         self.cp_group: dist.ProcessGroup | None = None
-        """Megatron's context-parallel group when the sequence is split (None: not split)."""
         if config.context_parallel_size > 1:
             self.cp_group = getattr(pg_collection, "cp", None)
             if self.cp_group is None:
