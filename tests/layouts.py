@@ -55,7 +55,8 @@ LAYOUTS: dict[str, Layout] = {
 }
 
 # What each suite compares with its 1-process run.
-KL_CONTROL_LAYOUTS = ("tp2_sp", "pp2", "pp2_vpp2", "dp2", "tp2_dp2_sp_distopt", "tp2_cp2_sp")
+KL_CONTROL_LAYOUTS = ("tp2_sp", "pp2", "pp2_vpp2", "dp2", "tp2_dp2_sp_distopt", "tp2_cp2_sp",
+                      "dp2_cp2_distopt")
 RL_LAYOUTS = ("tp2_sp", "dp2", "pp2", "cp2")
 SGD_PARITY_LAYOUTS = ("tp1", "tp2_sp")
 # The 2-process jobs of the rollout engine and of the logit probe run these one after another
