@@ -7,6 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron_logra.config.data import DataConfig
 from megatron_logra.config.model import ModelConfig, ParallelConfig
 from megatron_logra.config.moe import check_moe_run
 from megatron_logra.config.optim import (
@@ -17,16 +18,17 @@ from megatron_logra.config.optim import (
 )
 from megatron_logra.config.rl import RLConfig
 from megatron_logra.config.rollout import RolloutConfig, SyncConfig
-from megatron_logra.config.run import CheckpointConfig, DataConfig, RunConfig, TrainConfig
+from megatron_logra.config.run import CheckpointConfig, RunConfig, TrainConfig
 
 COMMANDS: tuple[str, ...] = ("train", "sft", "rl")
 # What `sft` and `rl` mean on top of the YAML file (below the user's own overrides): prompt ->
-# answer data, and for sft the final weights written as a model-only checkpoint
-# (<run.dir>/model) for an RL run's model.init_checkpoint.
+# answer data, and the final weights written as a model-only checkpoint (<run.dir>/model): an
+# RL run's model.init_checkpoint after sft, the trained policy after rl (tools/convert_hf.py
+# to-hf turns it into a Hugging Face directory).
 COMMAND_DEFAULTS: dict[str, tuple[str, ...]] = {
     "train": (),
     "sft": ("data.format=prompts", "run.save_model=true"),
-    "rl": ("data.format=prompts",),
+    "rl": ("data.format=prompts", "run.save_model=true"),
 }
 # A supervised run samples nothing: its KL probe measures the policy at temperature 1.
 SUPERVISED_KL_TEMPERATURE = 1.0
