@@ -1,6 +1,6 @@
 """A tiny tokenizer with a Qwen-style chat template, trained here (no downloads).
 
-Byte-level BPE as Qwen's, with ``<|endoftext|>`` as EOS and padding (Qwen2.5's base-model
+Byte-level BPE declared a ``Qwen2Tokenizer`` as Qwen's (digits split one by one), with ``<|endoftext|>`` as EOS and padding (Qwen2.5's base-model
 setting), ``<|im_start|>`` / ``<|im_end|>`` as special tokens, and a chat template that writes
 Qwen's turns (a default system turn when the conversation has none, ``<|im_end|>`` closing
 every turn) and, like Qwen3's, an empty think block before the answer: in the generation prompt
@@ -9,6 +9,7 @@ when the template variable ``enable_thinking`` is false, and before a final assi
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 EOS, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -54,4 +55,12 @@ def save_chat_tokenizer(directory: Path, *, vocab_size: int = 400) -> Path:
     wrapped.chat_template = CHAT_TEMPLATE
     directory.mkdir(parents=True, exist_ok=True)
     wrapped.save_pretrained(directory)
+    # Declared a Qwen2 tokenizer, as Qwen's are: transformers then loads it the same way from a
+    # tokenizer directory and from a model directory (beside a qwen2 config.json it would
+    # otherwise switch to Qwen2Tokenizer, whose pre-tokenizer splits digits, and encode the
+    # same text differently).
+    config_path = directory / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["tokenizer_class"] = "Qwen2Tokenizer"
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
     return directory

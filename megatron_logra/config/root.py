@@ -73,12 +73,6 @@ class Config:
         self._check_low_rank_widths()
         self._check_rollout_and_sync()
         check_moe_run(self)
-        if self.rl.sampling.max_new_tokens >= m.seq_length:
-            raise ValueError(
-                f"rl.sampling.max_new_tokens={self.rl.sampling.max_new_tokens} leaves no room for "
-                f"a prompt in model.seq_length={m.seq_length}; lower it or raise "
-                "model.seq_length"
-            )
         if self.logra.kl_control.enabled and self.optimizer.name != "logra":
             raise ValueError(
                 "logra.kl_control.enabled=true controls LoGRA updates; it needs "
@@ -258,6 +252,14 @@ class Config:
         """RL's training batch is the step's rollouts, and its policy's temperature is the
         sampling temperature: both are derived here, once."""
         r, kl = self.rl, self.logra.kl_control
+        # rl's own: a preset's rl section rides along in its train / sft runs, whose sequences
+        # may be shorter.
+        if r.sampling.max_new_tokens >= self.model.seq_length:
+            raise ValueError(
+                f"rl.sampling.max_new_tokens={r.sampling.max_new_tokens} leaves no room for a "
+                f"prompt in model.seq_length={self.model.seq_length}; lower it or raise "
+                "model.seq_length"
+            )
         if self.parallel.vpp is not None:
             raise ValueError(
                 f"parallel.vpp={self.parallel.vpp}: the rollout engine runs one model chunk per "

@@ -44,10 +44,12 @@ def split_file(data: DataConfig, split: str) -> Path:
         raise ValueError(f"data.dir={data.dir!r} holds {[p.name for p in found]}, more than one "
                          f"{split} split; choose one with data.{key}=NAME")
     if not found:
+        extra = ("; `tools/make_synthetic_data.py --num-valid N` writes one for the synthetic "
+                 "task, or set rl.eval.split=test" if split == "validation" else "")
         raise ValueError(
             f"data.dir={data.dir!r} has no {split} split (looked for "
             f"{', '.join(SPLIT_CANDIDATES[split])}); name the file with data.{key}=NAME "
-            f"({DATA_TOOLS_HINT})"
+            f"({DATA_TOOLS_HINT}){extra}"
         )
     return found[0]
 
