@@ -46,9 +46,10 @@ PLACES = {"~/datasets/gsm8k": "raw", "~/models/Qwen2.5-1.5B-Instruct": "hf", ".d
           "ckpt/qwen1.5b": "ckpt", "runs/": "runs/"}
 SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
 MAX_POSITIONS = 512
-# Small sums, each in GSM8K's format (calculator annotation, "#### N"); the held-out split
-# repeats two of them so that a warm start that learned them answers them.
-SUMS = [(2, 3), (4, 1), (3, 3), (5, 2), (1, 6), (7, 2), (2, 2), (8, 1)]
+# Small sums in GSM8K's format (calculator annotation, "#### N"), all of 5: a 2-layer model's
+# short warm start learns the answer format, the box and the stop token, not arithmetic, so
+# only a shared answer makes its greedy answers right. The held-out split repeats two of them.
+SUMS = [(2, 3), (4, 1), (1, 4), (3, 2), (0, 5), (5, 0), (2, 3), (1, 4)]
 # What one process at toy scale needs on top of the README command (the model itself comes from
 # model.yaml): CPU, lengths for ~70-token prompts, few steps, small batches, no LoGRA width
 # beyond the tiny model's, fp32 masters for the fp32 model, one grading worker.
@@ -147,6 +148,12 @@ def test_readme_section_is_prepare_convert_sft_rl_rl_with_vllm_and_back():
     assert "rollout.engine=vllm" in vllm and "rollout.placement=separate" in vllm
 
 
+def _math_verify(answer: str, response: str) -> bool:
+    from math_verify import parse, verify
+
+    return bool(verify(parse(f"\\boxed{{{answer}}}"), parse(response)))
+
+
 def _first_rollout(run: Path) -> dict:
     (record,) = [r for r in read_rollouts(run) if r["step"] == 1 and r["index"] == 0]
     return record
@@ -181,12 +188,19 @@ def test_vllm_and_the_sampler_stop_at_im_end_in_the_same_place_and_math_verify_g
               for engine in ("sampler", "vllm")}
     assert [(a.greedy, a.greedy_tokens, a.greedy_finished) for a in greedy["sampler"]] == [
         (a.greedy, a.greedy_tokens, a.greedy_finished) for a in greedy["vllm"]]
-    assert all(a.greedy_finished and a.greedy_correct for a in greedy["sampler"]), greedy
+    assert all(a.greedy_finished for a in greedy["sampler"]), greedy
+    # math-verify graded the response text (its stop token left out) against the row's answer:
+    # the warm start's boxed answers are right, and every graded response agrees with
+    # math-verify's own verdict.
+    assert all(a.greedy_correct for a in greedy["sampler"]), greedy
+    for answer in greedy["sampler"]:
+        assert answer.greedy_correct == _math_verify(answer.answer, answer.greedy)
     # Sampled training responses: one that ended carries its stop token, in both engines.
     for engine in ("sampler", "vllm"):
         for record in read_rollouts(readme_runs[engine]):
             assert record["finished"] == (record["response_ids"][-1] in stops), record
             assert IM_END not in record["response"]
+            assert record["reward"] == float(_math_verify(record["answer"], record["response"]))
         (step,) = [r for r in read_metrics(readme_runs[engine] / "metrics.jsonl")
                    if r["step"] == 1]
         assert 0.0 <= step["truncated_fraction"] <= 1.0 and step["response_length"] > 0
