@@ -238,8 +238,13 @@ def eos_checks(model, sampler, prompts, no_eos: RolloutBatch) -> dict[str, Any]:
     counts = {t: sum(t in r for r in responses) for r in responses for t in r}
     eos_batch = min(counts, key=lambda t: (-counts[t], t))
     eos_single = responses[0][2]
-    # A second stop token (as a chat template's end of turn beside EOS): the next most frequent.
-    second_stop = min((t for t in counts if t != eos_batch), key=lambda t: (-counts[t], t))
+    # A second stop token (as a chat template's end of turn beside EOS): the one that comes
+    # before the first EOS (or in a response without it) in the most responses.
+    def before_eos(response: list[int]) -> list[int]:
+        return response[: response.index(eos_batch)] if eos_batch in response else response
+
+    second_stop = min((t for t in counts if t != eos_batch), key=lambda t: (
+        -sum(t in before_eos(r) for r in responses), t))
     params = CONFIGS["sampled"]
     counter = ForwardCounter(model)
     forwards = {}
