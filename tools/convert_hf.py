@@ -249,16 +249,18 @@ def _checkpoint_and_root(megatron_dir: Path) -> tuple[Path, Path | None]:
                      "written by to-megatron")
 
 
-def _converted_root(common: dict[str, Any]) -> Path | None:
+def _converted_root(checkpoint: Path, common: dict[str, Any]) -> Path | None:
     """The to-megatron directory a checkpoint descends from: model.init_checkpoint of the run
     that wrote it, of that checkpoint's run, ... up to the one whose parent holds
     hf_source.json (None when the chain ends elsewhere or a link is gone)."""
     from megatron_logra.mcore.conversion import HF_SOURCE_FILE, read_common_state
 
-    seen: set[Path] = set()
+    seen: set[Path] = {checkpoint.resolve()}
     init = common["config"]["model"].get("init_checkpoint")
     while init:
         path = Path(init).resolve()
+        # A converted checkpoint names itself (the conversion's own config): no run descends
+        # from anything there.
         if path in seen or not (path / "metadata.json").is_file():
             return None
         seen.add(path)
@@ -356,18 +358,19 @@ def to_hf(megatron_dir: Path, out_dir: Path, hf_config: Path | None, max_shard_b
         if root is None or not (root / HF_SOURCE_FILE).is_file():
             # A trained run's model: its config.json, generation config and positions are
             # those of the Hugging Face model its chain of init_checkpoints started from.
-            root = _converted_root(common) or root
+            root = _converted_root(checkpoint, common) or root
     finally:
         destroy_parallel()
     source = _source(root, hf_config, model, weights)
+    derived = hf_config is None and (root is None or not (root / HF_SOURCE_FILE).is_file())
     tokenizer_dir = _tokenizer_dir(root, common)
     if tokenizer_dir is not None:
-        stops = _stop_ids(tokenizer_dir, common)
-        if source["config"].get("eos_token_id") is None:
+        if derived:
+            # No source config to keep: EOS and the generation config's stop tokens are the
+            # ones the run generated with.
+            stops = _stop_ids(tokenizer_dir, common)
             source["config"]["eos_token_id"] = stops[0] if len(stops) == 1 else stops
-        if source["generation_config"] is None:
-            source["generation_config"] = {"eos_token_id": stops[0] if len(stops) == 1
-                                           else stops}
+            source["generation_config"] = {"eos_token_id": source["config"]["eos_token_id"]}
     else:
         print("convert_hf: warning: no tokenizer found (neither the run's data.tokenizer nor a "
               "converted directory's tokenizer/); the output has no tokenizer files and no EOS",

@@ -209,10 +209,14 @@ def test_derived_model_config_carries_the_hf_architecture(hf_models, converted):
         assert model["init_checkpoint"] == str((converted[name] / "model").resolve())
 
 
-def test_to_megatron_copies_the_tokenizer_files_unchanged(hf_models, converted):
+def test_to_megatron_copies_the_tokenizer_files_and_generation_config_unchanged(hf_models,
+                                                                             converted):
     for name in hf_models:
         copied = sorted(p.name for p in (converted[name] / "tokenizer").iterdir())
-        assert copied == ["tokenizer.json", "tokenizer_config.json"]
+        # The model's generation config goes beside the tokenizer: its stop tokens.
+        generation = ["generation_config.json"] * (hf_models[name] / "generation_config.json"
+                                                   ).is_file()
+        assert copied == sorted(["tokenizer.json", "tokenizer_config.json", *generation])
         for file in copied:
             assert (converted[name] / "tokenizer" / file).read_bytes() == (
                 hf_models[name] / file).read_bytes()
