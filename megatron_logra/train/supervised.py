@@ -11,7 +11,6 @@ around the steps is :mod:`megatron_logra.train.loop`'s.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,7 +18,9 @@ import torch
 from megatron_logra.config import Config
 from megatron_logra.data.dataset_dir import load_tokens
 from megatron_logra.data.lm_batches import LMBatchSchedule
-from megatron_logra.data.prompt_data import SupervisedBatchSchedule, load_problems
+from megatron_logra.data.problem_files import load_split
+from megatron_logra.data.prompt_builder import PromptBuilder
+from megatron_logra.data.prompt_data import SupervisedBatchSchedule
 from megatron_logra.data.run_tokenizer import embedding_rows, load_run_tokenizer
 from megatron_logra.mcore import (
     ParallelGroups,
@@ -39,10 +40,11 @@ def train(cfg: Config) -> dict[str, Any]:
 
 
 def batch_schedule(cfg: Config, tokenizer: Any) -> LMBatchSchedule | SupervisedBatchSchedule:
-    """Language modelling on the corpus, or supervised prompt -> answer training."""
+    """Language modelling on the corpus, or supervised prompt -> target training (the samples
+    are the prompt builder's: the prompt ids rollouts see, the target, its stop token)."""
     if cfg.data.format == "prompts":
         return SupervisedBatchSchedule(
-            load_problems(Path(cfg.data.dir) / "train.jsonl"), tokenizer,
+            load_split(cfg.data, "train"), PromptBuilder(tokenizer, cfg.data.prompt),
             seq_length=cfg.model.seq_length, global_batch_size=cfg.train.global_batch_size,
             seed=cfg.train.seed,
         )

@@ -201,10 +201,11 @@ class MegatronSampler:
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed={seed!r} must be an integer >= 0")
         validate_prompts(prompts, self.vocab_size)
-        if params.eos_id is not None and params.eos_id >= self.vocab_size:
+        outside = [t for t in params.stop_ids if t >= self.vocab_size]
+        if outside:
             raise ValueError(
-                f"eos_id={params.eos_id} is outside the vocabulary [0, {self.vocab_size}); use the "
-                "tokenizer's EOS id"
+                f"stop_ids {outside} are outside the vocabulary [0, {self.vocab_size}); use the "
+                "tokenizer's ids"
             )
         model = self._model
         if model.position_embedding_type == "learned_absolute":
@@ -289,8 +290,9 @@ class MegatronSampler:
                 logprobs[active, step] = chosen.logprobs[active]
                 sampling_logprobs[active, step] = chosen.sampling_logprobs[active]
                 lengths += active.long()
-                if params.eos_id is not None:
-                    finished |= active & (chosen.tokens == params.eos_id)
+                if params.stop_ids:
+                    stops = torch.tensor(params.stop_ids, dtype=chosen.tokens.dtype)
+                    finished |= active & torch.isin(chosen.tokens, stops)
                 if bool(finished.all()) or step == limit - 1:
                     break
                 # Finished sequences keep being fed (their outputs are ignored) so the batch
