@@ -232,7 +232,8 @@ class Config:
                 f"({microbatches} = train.global_batch_size / (train.micro_batch_size * dp)) to "
                 f"be a multiple of parallel.pp={p.pp}; change the batch sizes"
             )
-        resolved = dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=dp))
+        resolved = dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=dp),
+                                       checkpoint=cfg.checkpoint.in_run(cfg.run.dir))
         check_moe_run(resolved)  # ep against the derived data-parallel size
         return resolved
 

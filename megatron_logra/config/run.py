@@ -3,7 +3,9 @@ and checkpointing (the ``data`` section is config/data.py's)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
 from megatron_logra.config.checks import check_choice, check_positive
 
@@ -58,7 +60,9 @@ class CheckpointConfig:
     """Distributed checkpoints (reshardable across TP/PP/DP layouts, written atomically)."""
 
     dir: str | None = None
-    """Directory of the run's checkpoints; None disables checkpointing."""
+    """Directory of the run's checkpoints. None: ``<run.dir>/checkpoints`` when ``interval`` or
+    ``resume`` asks for checkpoints (each run's own: two runs of one preset, an ``sft`` and an
+    ``rl``, never share one), else no checkpointing."""
     interval: int = 0
     """Save every this many steps (0: only at the end of training and on SIGTERM)."""
     resume: bool = False
@@ -68,8 +72,10 @@ class CheckpointConfig:
 
     def validate(self, path: str = "checkpoint") -> None:
         check_positive(f"{path}.interval", self.interval, allow_zero=True)
-        if self.dir is None and (self.resume or self.interval):
-            raise ValueError(
-                f"{path}.resume / {path}.interval need {path}.dir; set "
-                f"{path}.dir=<directory>"
-            )
+
+    def in_run(self, run_dir: str) -> CheckpointConfig:
+        """This config with ``dir`` filled in: ``<run_dir>/checkpoints`` where it is None and
+        checkpoints are asked for."""
+        if self.dir is not None or not (self.interval or self.resume):
+            return self
+        return dataclasses.replace(self, dir=str(Path(run_dir) / "checkpoints"))

@@ -119,3 +119,21 @@ def test_a_flat_key_of_the_old_layout_names_its_new_place(override, new_key):
 )
 def test_a_value_for_a_section_names_the_key_inside_it(override, inner_key):
     _raises_naming([override.split("=")[0], "mapping", inner_key], load_config, None, [override])
+
+
+def test_checkpoints_default_into_each_runs_own_directory():
+    """A preset that asks for checkpoints without naming a directory: an sft and an rl run of it
+    (README's flow) write to their own run directories, never to one shared directory (the rl
+    run would have mixed its checkpoints with the warm start's)."""
+    dirs = {}
+    for command, run_dir in (("sft", "runs/sft"), ("rl", "runs/rl")):
+        cfg = load_config(None, [f"run.dir={run_dir}", "checkpoint.interval=50",
+                                 "data.format=prompts"] if command == "sft" else
+                          [f"run.dir={run_dir}", "checkpoint.interval=50"], command=command)
+        dirs[command] = cfg.resolved(1, command).checkpoint.dir
+    assert dirs == {"sft": "runs/sft/checkpoints", "rl": "runs/rl/checkpoints"}
+    resumed = load_config(None, ["run.dir=r", "checkpoint.resume=true"]).resolved(1)
+    assert resumed.checkpoint.dir == "r/checkpoints"
+    named = load_config(None, ["run.dir=r", "checkpoint.interval=5", "checkpoint.dir=elsewhere"])
+    assert named.resolved(1).checkpoint.dir == "elsewhere"
+    assert load_config(None, ["run.dir=r"]).resolved(1).checkpoint.dir is None
