@@ -15,7 +15,7 @@ from megatron_logra.config import Config
 from megatron_logra.data.dataset_dir import TOKENS_FILE
 from megatron_logra.data.problem_files import load_split
 from megatron_logra.data.prompt_data import PromptProblem
-from megatron_logra.data.run_tokenizer import load_prompt_builder
+from megatron_logra.data.run_tokenizer import load_prompt_builder, load_run_tokenizer
 
 HF_MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json")
 
@@ -66,7 +66,9 @@ def check_run_inputs(cfg: Config, command: str) -> list[str]:
             raise ValueError(f"data.dir={data.dir!r} has no {TOKENS_FILE} for language modelling "
                              f"(data.format=corpus); write it with `python "
                              f"tools/make_synthetic_data.py --out {data.dir}`")
-        load_prompt_builder(cfg)
+        # A corpus has no prompts: data.prompt (a preset's chat template for its sft / rl
+        # runs) does not apply, so only the tokenizer must load.
+        load_run_tokenizer(cfg)
         return notes
     builder = load_prompt_builder(cfg)
     if getattr(builder.tokenizer, "has_chat_template", False) and not data.prompt.chat_template:

@@ -42,6 +42,7 @@ def rollout_records(step: int, problems: list[PromptProblem], scored: ScoredRoll
 
 
 def append_rollouts(run_dir: Path, records: list[dict]) -> None:
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
     with open(Path(run_dir) / ROLLOUTS_FILE, "a") as handle:
         handle.write("".join(json.dumps(record) + "\n" for record in records))
 
