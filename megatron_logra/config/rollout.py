@@ -3,7 +3,9 @@ a separate engine's weights are kept equal to the trainer's; docs/sync.md)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 from megatron_logra.config.checks import check_choice, check_positive
 
@@ -64,10 +66,37 @@ class RolloutConfig:
         if not isinstance(self.vllm_venv, str):
             raise ValueError(f"{path}.vllm_venv={self.vllm_venv!r} must be a directory path "
                              "(empty: the checkout's .venv-vllm)")
+        if self.vllm_venv and self.engine != "vllm":
+            raise ValueError(f"{path}.vllm_venv={self.vllm_venv!r} with {path}.engine="
+                             f"{self.engine}: only a vLLM engine runs in that venv; set "
+                             f"{path}.engine=vllm or drop {path}.vllm_venv")
 
     @property
     def separate(self) -> bool:
         return self.placement == "separate"
+
+
+SEPARATE_ENGINE_FIELDS: tuple[str, ...] = (
+    "engine", "tp", "start_timeout_s", "request_timeout_s", "vllm_venv", "devices")
+"""The rollout fields that only act on a separate engine (with rollout.placement=colocated
+the trainer's ranks sample with their own weights: nothing is started, placed or waited for)."""
+
+
+def _default(section: Any, name: str) -> Any:
+    item = next(f for f in dataclasses.fields(section) if f.name == name)
+    return item.default_factory() if item.default is dataclasses.MISSING else item.default
+
+
+def colocated_inert_settings(rollout: RolloutConfig, sync: SyncConfig) -> list[str]:
+    """``key=value`` of every setting that would do nothing with colocated rollouts: the
+    separate engine's rollout fields and every field of the sync section (whatever it holds)
+    that differs from its default."""
+    changed = [(f"rollout.{name}", getattr(rollout, name)) for name in SEPARATE_ENGINE_FIELDS
+               if getattr(rollout, name) != _default(rollout, name)]
+    changed += [(f"sync.{item.name}", getattr(sync, item.name))
+                for item in dataclasses.fields(sync)
+                if getattr(sync, item.name) != _default(sync, item.name)]
+    return [f"{key}={value}" for key, value in changed]
 
 
 @dataclass(frozen=True, kw_only=True)

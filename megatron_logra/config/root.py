@@ -14,9 +14,11 @@ from megatron_logra.config.optim import (
     LoGRAConfig,
     LoRAConfig,
     OptimizerConfig,
+    check_host_merge_chunk,
+    kl_control_inert_settings,
 )
 from megatron_logra.config.rl import RLConfig
-from megatron_logra.config.rollout import RolloutConfig, SyncConfig
+from megatron_logra.config.rollout import RolloutConfig, SyncConfig, colocated_inert_settings
 from megatron_logra.config.run import CheckpointConfig, DataConfig, RunConfig, TrainConfig
 
 COMMANDS: tuple[str, ...] = ("train", "sft", "rl")
@@ -69,6 +71,8 @@ class Config:
                     f"{name}={value} must be divisible by parallel.tp={p.tp}; change one of them"
                 )
         self._check_low_rank_widths()
+        if self.optimizer.name == "logra":
+            check_host_merge_chunk(self.logra, m, p.tp)
         self._check_rollout_and_sync()
         check_moe_run(self)
         if self.rl.sampling.max_new_tokens >= m.seq_length:
@@ -81,6 +85,14 @@ class Config:
             raise ValueError(
                 "logra.kl_control.enabled=true controls LoGRA updates; it needs "
                 "optimizer.name=logra"
+            )
+        inert = kl_control_inert_settings(self.logra.kl_control)
+        # (with another optimizer the whole logra section is unselected, as the other loss
+        # preset's settings are: a dense baseline runs from the LoGRA run's own file)
+        if inert and self.optimizer.name == "logra":
+            raise ValueError(
+                f"{', '.join(inert)} with logra.kl_control.enabled=false: the KL control is "
+                "off, so they would do nothing; set logra.kl_control.enabled=true or drop them"
             )
         if self.logra.kl_control.enabled and m.attention == "te":
             raise ValueError(
@@ -119,12 +131,11 @@ class Config:
         """A separate engine's own layout must fit the model, and its sync must be exact."""
         ro, s, m = self.rollout, self.sync, self.model
         if not ro.separate:
-            for key, value, default in (("rollout.devices", ro.devices, []),
-                                        ("sync.transport", s.transport, "rpc")):
-                if value != default:
-                    raise ValueError(f"{key}={value} with rollout.placement=colocated: there is "
-                                     "no separate engine to place or sync; set "
-                                     "rollout.placement=separate or drop it")
+            inert = colocated_inert_settings(ro, s)
+            if inert:
+                raise ValueError(f"{', '.join(inert)} with rollout.placement=colocated: there "
+                                 "is no separate engine to start, place or sync; set "
+                                 "rollout.placement=separate or drop them")
             return
         if ro.devices and self.parallel.device == "cpu":
             raise ValueError(f"rollout.devices={ro.devices} with parallel.device=cpu: the engine "
@@ -248,6 +259,12 @@ class Config:
                 "optimizer steps on one batch of rollouts); a supervised step takes one: drop it"
             )
         kl = self.logra.kl_control
+        if kl.temperature is not None and not kl.enabled and self.optimizer.name == "logra":
+            raise ValueError(
+                f"logra.kl_control.temperature={kl.temperature} with logra.kl_control.enabled="
+                "false: the KL control is off, so it would do nothing; set "
+                "logra.kl_control.enabled=true or drop it"
+            )
         if kl.temperature is not None:
             return self
         return self._with_kl(dataclasses.replace(kl, temperature=SUPERVISED_KL_TEMPERATURE))

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from megatron_logra.config import Config
+from megatron_logra.config import Config, RolloutConfig, SyncConfig
 from megatron_logra.rollout.collective_sync import CollectiveSender, TransportStats, channel_device
 from megatron_logra.rollout.engine import EngineResponse
 from megatron_logra.rollout.placement import engine_device_env
@@ -71,10 +71,10 @@ def engine_config(cfg: Config) -> dict[str, Any]:
     device = "cuda" if cfg.rollout.devices else cfg.parallel.device
     parallel = dataclasses.replace(cfg.parallel, tp=cfg.rollout.tp, pp=1, vpp=None, dp=None,
                                    sp=False, device=device)
-    # The engine samples in place: no engine of its own to place or sync (it learns of the
-    # trainer's transport from the open_channel request, and its devices are already its env).
-    rollout = dataclasses.replace(cfg.rollout, placement="colocated", devices=[])
-    sync = dataclasses.replace(cfg.sync, transport="rpc")
+    # The engine samples in place: no engine of its own to start, place or sync (it learns of
+    # the trainer's transport from the open_channel request, and its devices are already its
+    # env), so its rollout and sync sections are the colocated defaults.
+    rollout, sync = RolloutConfig(), SyncConfig()
     checkpoint = dataclasses.replace(cfg.checkpoint, resume=False)
     data = cfg.to_dict()
     data.update(parallel=dataclasses.asdict(parallel), rollout=dataclasses.asdict(rollout),

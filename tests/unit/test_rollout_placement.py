@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from megatron_logra.config import config_from_dict, load_config
+from megatron_logra.config import RolloutConfig, SyncConfig, config_from_dict, load_config
 from megatron_logra.mcore.models.sync_state import target_param_names
 from megatron_logra.rl.rollout import SamplingParams
 from megatron_logra.rollout.engine import GenerationEngine
@@ -55,6 +55,42 @@ def test_bad_rollout_and_sync_values_are_refused_naming_field_value_and_choices(
     _refused(overrides, fragments)
 
 
+# A value other than the default, for every field that acts only on a separate engine: the
+# separate engine's rollout fields and every sync field.
+SEPARATE_ONLY_VALUES = {
+    "rollout.engine": "vllm", "rollout.tp": "2", "rollout.start_timeout_s": "900",
+    "rollout.request_timeout_s": "3600", "rollout.vllm_venv": "/opt/vllm-venv",
+    "rollout.devices": "[4]", "sync.mode": "full", "sync.wire_dtype": "bf16",
+    "sync.full_interval": "5", "sync.check_interval": "0", "sync.bucket_bytes": "1024",
+    "sync.transport": "collective",
+}
+
+
+def test_every_separate_engine_setting_is_listed_for_the_colocated_refusal():
+    from dataclasses import fields
+
+    from megatron_logra.config import SyncConfig
+    from megatron_logra.config.rollout import SEPARATE_ENGINE_FIELDS
+
+    assert set(SEPARATE_ONLY_VALUES) == {f"rollout.{n}" for n in SEPARATE_ENGINE_FIELDS} | {
+        f"sync.{f.name}" for f in fields(SyncConfig)}
+
+
+@pytest.mark.parametrize("key", sorted(SEPARATE_ONLY_VALUES))
+def test_a_separate_engine_setting_with_colocated_rollouts_is_refused(key):
+    """Accepted and ignored before: the trainer samples with its own weights."""
+    # (a vLLM venv alone is refused for the default engine, which runs in no venv of its own)
+    engine = ["rollout.engine=vllm"] if key == "rollout.vllm_venv" else []
+    _refused([*engine, f"{key}={SEPARATE_ONLY_VALUES[key]}"],
+             [f"{key}=", "rollout.placement=colocated", "rollout.placement=separate"])
+
+
+def test_a_vllm_venv_for_the_megatron_engine_is_refused():
+    _refused([*SEPARATE, "rollout.vllm_venv=/opt/vllm-venv"],
+             ["rollout.vllm_venv='/opt/vllm-venv'", "rollout.engine=megatron",
+              "rollout.engine=vllm"])
+
+
 def test_low_rank_sync_is_refused_for_dense_and_lora_optimizers():
     for name in ("adam", "lora"):
         _refused(["rollout.placement=separate", f"optimizer.name={name}", "sync.mode=low_rank"],
@@ -89,11 +125,15 @@ def test_a_supervised_run_refuses_a_separate_engine():
 
 def test_the_engines_config_keeps_the_model_and_takes_its_own_layout():
     cfg = load_config(None, [*SEPARATE, "parallel.tp=2", "parallel.sp=true", "rollout.tp=1",
-                             "checkpoint.resume=true", "checkpoint.dir=ckpt"]).resolved(2, "rl")
+                             "rollout.start_timeout_s=900", "sync.check_interval=1",
+                             "sync.transport=collective", "checkpoint.resume=true",
+                             "checkpoint.dir=ckpt"]).resolved(2, "rl")
     own = config_from_dict(engine_config(cfg)).resolved(1, "rl")
     assert (own.parallel.tp, own.parallel.pp, own.parallel.dp, own.parallel.sp) == (1, 1, 1,
                                                                                     False)
-    assert own.rollout.placement == "colocated" and not own.checkpoint.resume
+    # It samples in place: the colocated defaults (its own config accepts nothing inert).
+    assert own.rollout == RolloutConfig() and own.sync == SyncConfig()
+    assert not own.checkpoint.resume
     assert own.model == cfg.model and own.logra == cfg.logra and own.rl == cfg.rl
 
 
