@@ -222,7 +222,9 @@ class ParallelConfig:
     """How long a rank waits in one collective (and at start-up, for the others to join) before
     it fails with an error instead of hanging: when another rank died (killed, out of memory, a
     lost node), the survivors stop within about this time. It must exceed the longest legitimate
-    wait, e.g. rank 0 writing a checkpoint or grading rewards while the others wait for it."""
+    wait, e.g. rank 0 writing a checkpoint or grading rewards while the others wait for it.
+    Waits on a separate rollout engine are not bounded by it: rank 0 sends heartbeats while the
+    engine starts, generates or syncs, which rollout.start_timeout_s / request_timeout_s bound."""
 
     def validate(self, path: str = "parallel") -> None:
         check_positive(f"{path}.tp", self.tp)

@@ -15,6 +15,10 @@ engine in its own processes, with its own TP size, kept in step by policy sync."
 ENGINES: tuple[str, ...] = ("megatron", "vllm")
 SYNC_MODES: tuple[str, ...] = ("auto", "low_rank", "full")
 """auto: low_rank for LoGRA, full for every other optimizer (their updates are dense)."""
+ENGINE_IDLE_BROADCAST_S = 30.0
+"""The Megatron engine's rank 0 wakes its other ranks at least this often while the trainer is
+busy (they wait in a collective of the engine's world, whose timeout is the trainer's
+parallel.collective_timeout_s)."""
 SYNC_WIRE_DTYPES: tuple[str, ...] = ("fp32", "bf16")
 SYNC_TRANSPORTS: tuple[str, ...] = ("rpc", "collective")
 """rpc: each record's bytes over the engine's control channel (re-sent by a multi-rank engine
@@ -33,10 +37,13 @@ class RolloutConfig:
     tp: int = 1
     """The separate engine's own tensor-parallel size (independent of parallel.tp)."""
     start_timeout_s: float = 300.0
-    """A separate engine that has not answered this long after its launch is an error."""
+    """A separate engine that has not answered this long after its launch is an error. The
+    other trainer ranks wait as long as the start takes (rank 0 sends them heartbeats), not
+    parallel.collective_timeout_s."""
     request_timeout_s: float = 600.0
     """One request to a separate engine (a generate, a sync record) that takes longer is an
-    error naming the request: never a hang."""
+    error naming the request: never a hang. The other trainer ranks wait as long as rank 0's
+    requests take (a full sync is many), not parallel.collective_timeout_s."""
     vllm_venv: str = ""
     """The venv vLLM runs in (rollout.engine=vllm); empty: this checkout's ``.venv-vllm``, which
     ``make setup-vllm`` builds. Checked before any rank starts."""

@@ -18,7 +18,12 @@ from megatron_logra.config.optim import (
     kl_control_inert_settings,
 )
 from megatron_logra.config.rl import RLConfig
-from megatron_logra.config.rollout import RolloutConfig, SyncConfig, colocated_inert_settings
+from megatron_logra.config.rollout import (
+    ENGINE_IDLE_BROADCAST_S,
+    RolloutConfig,
+    SyncConfig,
+    colocated_inert_settings,
+)
 from megatron_logra.config.run import CheckpointConfig, DataConfig, RunConfig, TrainConfig
 
 COMMANDS: tuple[str, ...] = ("train", "sft", "rl")
@@ -137,6 +142,14 @@ class Config:
                                  "is no separate engine to start, place or sync; set "
                                  "rollout.placement=separate or drop them")
             return
+        timeout = self.parallel.collective_timeout_s
+        if ro.engine == "megatron" and ro.tp > 1 and timeout <= ENGINE_IDLE_BROADCAST_S:
+            raise ValueError(
+                f"parallel.collective_timeout_s={timeout:g} with rollout.engine=megatron at "
+                f"rollout.tp={ro.tp}: the engine's ranks wait on its rank 0, which wakes them "
+                f"every {ENGINE_IDLE_BROADCAST_S:g} s while the trainer updates, in collectives "
+                "with that timeout; raise parallel.collective_timeout_s above "
+                f"{ENGINE_IDLE_BROADCAST_S:g} (default 600)")
         if ro.devices and self.parallel.device == "cpu":
             raise ValueError(f"rollout.devices={ro.devices} with parallel.device=cpu: the engine "
                              "would run on GPUs, its trainer on the CPU; set parallel.device=cuda "

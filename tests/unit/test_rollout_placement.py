@@ -85,6 +85,18 @@ def test_a_separate_engine_setting_with_colocated_rollouts_is_refused(key):
              [f"{key}=", "rollout.placement=colocated", "rollout.placement=separate"])
 
 
+def test_a_collective_timeout_the_megatron_engines_idle_ranks_cannot_meet_is_refused():
+    """Its ranks other than 0 wait in collectives of this timeout while the trainer updates,
+    woken every ENGINE_IDLE_BROADCAST_S: a shorter timeout cannot hold. (The trainer's own
+    waits on the engine are not bounded by it: tests/distributed/test_separate_engine.py.)"""
+    _refused([*SEPARATE, "rollout.tp=2", "parallel.collective_timeout_s=20"],
+             ["parallel.collective_timeout_s=20", "rollout.tp=2", "every 30 s",
+              "above 30"])
+    for accepted in (["rollout.tp=1", "parallel.collective_timeout_s=20"],
+                     ["rollout.tp=2", "parallel.collective_timeout_s=31"]):
+        load_config(None, [*SEPARATE, *accepted]).resolved(1, "rl")
+
+
 def test_a_vllm_venv_for_the_megatron_engine_is_refused():
     _refused([*SEPARATE, "rollout.vllm_venv=/opt/vllm-venv"],
              ["rollout.vllm_venv='/opt/vllm-venv'", "rollout.engine=megatron",

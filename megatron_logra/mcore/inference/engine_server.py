@@ -13,7 +13,8 @@ error (every rank raises the same one, all execute the same code on the same inp
 engine keeps serving; a refused sync record changes nothing.
 
 While the trainer is busy (its policy update) rank 0 broadcasts an ``idle`` request every
-``_IDLE_BROADCAST_S`` so the other ranks' collectives never reach the process group's timeout.
+``ENGINE_IDLE_BROADCAST_S`` so the other ranks' collectives never reach the process group's
+timeout (the config refuses a ``parallel.collective_timeout_s`` that is not above it).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_logra.config import config_from_dict
+from megatron_logra.config.rollout import ENGINE_IDLE_BROADCAST_S
 from megatron_logra.data.run_tokenizer import embedding_rows, load_run_tokenizer
 from megatron_logra.mcore.inference.sampler import MegatronSampler
 from megatron_logra.mcore.models.gpt import build_model_chunks
@@ -52,7 +54,6 @@ from megatron_logra.sync.transport import ChannelAddress, TensorChannel, payload
 from megatron_logra.sync.wire import decode
 
 logger = logging.getLogger(__name__)
-_IDLE_BROADCAST_S = 30.0
 _PARAMS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -163,7 +164,7 @@ def serve(cfg, port: int, authkey: bytes) -> None:
             message: list[Any] = [None]
             if conn is not None:
                 try:
-                    message[0] = conn.recv() if conn.poll(_IDLE_BROADCAST_S) else ("idle", None)
+                    message[0] = conn.recv() if conn.poll(ENGINE_IDLE_BROADCAST_S) else ("idle", None)
                 except (EOFError, OSError):
                     message[0] = ("close", None)  # the trainer went away
             dist.broadcast_object_list(message, src=0, group=world)

@@ -22,7 +22,7 @@ from megatron_logra.rl.rollout import (
     validate_prompts,
 )
 from megatron_logra.rollout.engine import EngineResponse, GenerationEngine
-from megatron_logra.train.rl.collectives import from_world_rank0
+from megatron_logra.train.rl.engine_waits import EngineWaits
 
 
 def rollout_batch(responses: list[EngineResponse], prompts: list[list[int]], indices: range,
@@ -67,9 +67,10 @@ class SeparateEngineRollouts:
     """
 
     def __init__(self, engine: GenerationEngine | None, groups: ParallelGroups,
-                 *, vocab_size: int) -> None:
+                 waits: EngineWaits, *, vocab_size: int) -> None:
         self.engine = engine
         self.groups = groups
+        self.waits = waits
         self.vocab_size = vocab_size
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, *,
@@ -86,6 +87,6 @@ class SeparateEngineRollouts:
                                    "prompts")
             return responses
 
-        responses = from_world_rank0(ask, "rollout engine generate")
+        responses = self.waits.run(ask, "rollout engine generate")
         share = data_parallel_share(len(prompts), self.groups.dp_rank, self.groups.dp_size)
         return rollout_batch(responses, prompts, share, params)

@@ -49,9 +49,9 @@ from megatron_logra.rollout.factory import make_engine, vllm_checkpoint_dir
 from megatron_logra.train.loop import run
 from megatron_logra.train.metrics import memory_bytes
 from megatron_logra.train.rl.batching import pad_to_length, rl_microbatches
-from megatron_logra.train.rl.collectives import from_world_rank0
 from megatron_logra.train.rl.engine_checkpoint import write_engine_checkpoint
 from megatron_logra.train.rl.engine_rollouts import SeparateEngineRollouts
+from megatron_logra.train.rl.engine_waits import EngineWaits
 from megatron_logra.train.rl.evaluation import evaluate
 from megatron_logra.train.rl.policy_sync import PolicySync
 from megatron_logra.train.rl.policy_update import update_policy
@@ -109,17 +109,20 @@ class RLJob:
                                         eos_id=tokenizer.eos_id)
             target_names = (target_param_names(cfg.logra.targets, cfg.model.num_layers)
                             if self.setup.logra is not None else [])
-            # World rank 0 owns the engine; every rank learns whether it started.
+            # World rank 0 owns the engine; every rank learns whether it started, waiting as
+            # long as the start takes (bounded by rollout.start_timeout_s, not by the
+            # collective timeout).
+            waits = EngineWaits(cfg.parallel.collective_timeout_s)
             started: list = []
 
             def start() -> None:
                 started.append(make_engine(cfg, target_names))
                 started[0].start()
-            from_world_rank0(start, "starting the rollout engine")
+            waits.run(start, "starting the rollout engine")
             self.separate_engine = started[0] if started else None
-            self.engine = SeparateEngineRollouts(self.separate_engine, groups,
+            self.engine = SeparateEngineRollouts(self.separate_engine, groups, waits,
                                                  vocab_size=tokenizer.vocab_size)
-            self.sync = PolicySync(cfg, self.setup, groups, self.separate_engine)
+            self.sync = PolicySync(cfg, self.setup, groups, self.separate_engine, waits)
         else:
             self.engine = MegatronSampler(self.setup.model_chunks, groups,
                                           vocab_size=tokenizer.vocab_size)
