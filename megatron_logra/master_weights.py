@@ -17,7 +17,10 @@ the choice of ``logra.master_weights`` (:func:`master_weights_mode`), made once:
   merge streams them through the device in row chunks.
 
 All three round with :func:`round_to_bf16` and compute the same fp32 update of the same rows, so
-they give bit-identical weights; a checkpoint holds the fp32 rows in every mode, so any mode
+they give bit-identical weights on CPU (the host store's chunks are whole GEMM row blocks,
+:mod:`megatron_logra.merge_chunks`); on a GPU ``remainder`` still computes dp_sharded's very GEMM,
+while a host chunk's row count may make cuBLAS pick another kernel (tools/gpu_check.py
+``master_merge`` measures it); a checkpoint holds the fp32 rows in every mode, so any mode
 loads another's. Per target parameter that is 2 + {4, 2, 0}/dp device bytes, against 6 + 12/dp
 for Megatron's distributed Adam.
 

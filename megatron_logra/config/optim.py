@@ -170,7 +170,8 @@ class LoGRAConfig:
     ``dp_sharded`` (fp32 rows on the device, 4/dp B per target parameter), ``remainder`` (the
     int16 low halves only, the bf16 weight being the high half: 2/dp B, bit-identical results),
     ``host`` (fp32 rows in pinned host memory, streamed through the device at the merge: ~0 B,
-    bit-identical results, a copy per step); ``auto``: none for fp32, dp_sharded for bf16."""
+    bit-identical results on CPU, a copy per step); ``auto``: none for fp32, dp_sharded for
+    bf16."""
     merge_chunk_mib: float = DEFAULT_MERGE_CHUNK_MIB
     """master_weights=host: at most this many MiB of fp32 master rows per chunk streamed through
     the device at the merge (two chunks are staged on the device at a time). A chunk is the

@@ -4,7 +4,8 @@
   evaluation answers that agree with them, and plots;
 * the samples, rewards, losses and the KL controller's decisions do not depend on the layout
   (TP=2 with SP, DP=2 and PP=2 against TP=1): sampling is counter based per global sequence;
-* GRPO with a reference KL runs on-policy (the clipped ratio is exactly 1);
+* GRPO's reference KL is the k3 KL to the starting policy (0 at the first step, positive after
+  it) and adds exactly kl_beta times itself to the loss (against the same run without it);
 * resume == uninterrupted, running baseline and KL-controller state included;
 * full activation recompute == none at PP=2, bit for bit (the sampler and the KL probe run in
   eval mode, where Megatron does not recompute; training gradients are bit-identical).
@@ -110,13 +111,42 @@ def test_rl_samples_rewards_and_updates_are_layout_invariant(layout, runs):
                 read_eval_answers(eval_answers_path(reference_dir, step)), (layout, step)
 
 
-def test_grpo_with_reference_kl_is_on_policy(runs):
-    run = runs.run("grpo", 1, ["rl.loss.name=grpo", "rl.samples_per_prompt=4", "rl.prompts_per_step=4",
-                               "rl.loss.grpo.kl_beta=0.01", "logra.mode=library", "logra.kl_control.enabled=false"])
-    for record in read_metrics(run / "metrics.jsonl")[1:]:
-        # One update per batch of rollouts: the trainer's "old" policy is the current one.
-        assert record["ratio_mean"] == 1.0
-        assert math.isfinite(record["loss"])
+# GRPO with and without a reference KL (library mode under the KL control), on the random
+# start: the first steps' rewards are all 0 (no update) until a group has a correct response.
+GRPO = ["rl.loss.name=grpo", "rl.samples_per_prompt=4", "rl.prompts_per_step=4",
+        "logra.mode=library"]
+KL_BETA = 1.0
+# The loss is a float64 sum of fp32 per-token terms of size ~1 (ratio times advantage, plus
+# beta times k3): adding beta * k3 in fp32 rounds by <= 2^-24 of a term, ~1e-7 on the mean.
+# 1e-6 bounds it, 100x below beta times the reference KL after one update (~2e-4 here).
+REFERENCE_KL_LOSS_TOL = 1e-6
+
+
+def test_grpo_reference_kl_is_the_k3_kl_to_the_starting_policy_and_enters_the_loss_times_beta(
+        runs):
+    """The frozen reference is the starting policy. Until the policy first moves it is the
+    reference: the k3 KL is 0 (to the recomputation's rounding) and so is its gradient, so the
+    runs with and without the term take the same updates and sample the same rollouts, up to
+    and including the first step after the first update. There the KL is positive and the loss
+    with the reference term exceeds the loss without it by exactly kl_beta times that KL. One
+    update per batch: the clipped ratio is exactly 1."""
+    with_kl = [r for r in read_metrics(runs.run("grpo", 1, [*GRPO, f"rl.loss.grpo.kl_beta="
+                                                            f"{KL_BETA}"]) / "metrics.jsonl")
+               if r["step"] > 0]
+    without = [r for r in read_metrics(runs.run("grpo_no_reference", 1, GRPO) / "metrics.jsonl")
+               if r["step"] > 0]
+    assert [r["step"] for r in with_kl] == [r["step"] for r in without] == [1, 2, 3]
+    assert all(r["ratio_mean"] == 1.0 for r in with_kl)
+    assert all("reference_kl" not in r for r in without)
+    moved = next((i for i, r in enumerate(with_kl) if r["reference_kl"] > REFERENCE_KL_LOSS_TOL),
+                 None)
+    assert moved is not None and moved > 0, [r["reference_kl"] for r in with_kl]
+    assert with_kl[moved]["reference_kl"] > 100 * REFERENCE_KL_LOSS_TOL
+    for got, want in zip(with_kl[: moved + 1], without[: moved + 1], strict=True):
+        assert (got["tokens"], got["reward"]) == (want["tokens"], want["reward"])
+        excess = got["loss"] - want["loss"]
+        assert abs(excess - KL_BETA * got["reference_kl"]) <= REFERENCE_KL_LOSS_TOL, (
+            got["step"], excess, got["reference_kl"])
 
 
 def test_rl_resume_equals_the_uninterrupted_run(runs):

@@ -5,7 +5,8 @@ trainer writes its served weights there through our converter (``megatron_logra.
 conversion``): ``config.json`` from the model section (Llama, or Qwen2 for q/k/v-only biases),
 the tensors by ``hf_tensors_from_megatron``, and the tokenizer's EOS id in ``config.json`` and
 ``generation_config.json`` -- vLLM runs without a tokenizer (token ids in, token ids out), and
-this is how it learns where a response ends. The full sync that follows the start overwrites
+this is how it learns where a response ends. Its vocabulary is the tokenizer's, not the
+embedding's padded rows (:func:`write_engine_checkpoint`). The full sync that follows the start overwrites
 every weight with the exact state, so the file's values only have to be the policy's shapes
 and dtype; writing the policy itself keeps the directory a usable snapshot of the start.
 """
@@ -39,7 +40,11 @@ def write_engine_checkpoint(cfg: Config, setup, groups: ParallelGroups, hf_dir: 
     """Write the policy as a Hugging Face checkpoint into ``hf_dir`` (world rank 0; collective
     over the trainer: every rank gathers, an error on rank 0 is raised on all).
 
-    ``vocab_size`` is the embedding's rows before padding (the checkpoint's vocabulary)."""
+    ``vocab_size`` is the tokenizer's vocabulary: the rows vLLM serves. The embedding's other
+    rows (``model.vocab_size`` beyond the tokenizer, Megatron's padding) are cut, here and in
+    every sync record the plugin loads (it cuts to this config's size), so vLLM's log-softmax
+    runs over exactly the ids the trainer and the built-in sampler normalise over, and vLLM
+    cannot sample an id the tokenizer lacks."""
     weights = served_weights(setup.model_chunks, groups)
 
     def write() -> None:

@@ -103,9 +103,10 @@ class RLJob:
         self.sync: PolicySync | None = None
         if cfg.rollout.separate:
             if cfg.rollout.engine == "vllm":
-                # vLLM loads a Hugging Face checkpoint: the policy, through our converter.
+                # vLLM loads a Hugging Face checkpoint: the policy, through our converter, with
+                # the tokenizer's vocabulary (vLLM masks no padded rows itself).
                 write_engine_checkpoint(cfg, self.setup, groups, vllm_checkpoint_dir(cfg),
-                                        vocab_size=embedding_rows(cfg, tokenizer),
+                                        vocab_size=tokenizer.vocab_size,
                                         eos_id=tokenizer.eos_id)
             target_names = (target_param_names(cfg.logra.targets, cfg.model.num_layers)
                             if self.setup.logra is not None else [])
@@ -234,6 +235,9 @@ class RLJob:
                if self.preset.loss.clips else {}),
             "rollout_trainer_gap": first.mismatch,
             "logprob_gap_all_tokens": sums.all_gap_sum / max(sums.all_gap_tokens, 1.0),
+            "logprob_gap_max": first.gap_max,
+            **({"reference_kl": sums.reference_kl_sum / max(sums.tokens, 1.0)}
+               if self.reference is not None else {}),
             **kl_metrics,
             **(setup.logra.update_metrics() if setup.logra is not None else {}),
             "tokens": generated,
