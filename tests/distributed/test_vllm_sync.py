@@ -72,9 +72,9 @@ def _synced_engine(case: str, engine_tp: int, data_dir, tmp_path_factory, transp
 
 
 RL_STEPS = 3
-# The embedding's rows exceed the tokenizer's 96 ids (as Qwen2.5's 152064 rows do its 151665
+# The embedding's rows exceed the tokenizer's 91 ids (as Qwen2.5's 152064 rows do its 151665
 # tokens), then Megatron pads them to 256: vLLM must serve the tokenizer's vocabulary, or it
-# normalises (and samples) over 160 rows of random logits the trainer masks.
+# normalises (and samples) over the 69 rows beyond it too, random logits the trainer masks.
 EMBEDDING_ROWS = 160
 # The demo's RL config at the tiny size vLLM's CPU attention accepts (head width 32: 128 / 4
 # heads), an embedding padded beyond the tokenizer (EMBEDDING_ROWS), 2 query groups of 2 heads (linear_qkv's per-group interleave differs from vLLM's

@@ -17,7 +17,7 @@ from megatron_logra.rollout.engine import GenerationEngine
 from megatron_logra.rollout.factory import VLLM_CLIENT_MODULE, make_engine
 from megatron_logra.rollout.megatron_engine import MegatronEngine, engine_config
 from megatron_logra.rollout.vllm_engine import VLLMEngine
-from megatron_logra.train.rl.engine_rollouts import rollout_batch
+from megatron_logra.train.rl.engine_rollouts import check_response_ids, rollout_batch
 
 SEPARATE = ["rollout.placement=separate", "optimizer.name=logra"]
 # A model vLLM can serve (a Llama-style checkpoint through our converter).
@@ -153,7 +153,7 @@ def test_rollout_batch_from_engine_responses_keeps_the_share_and_marks_eos_finis
     params = SamplingParams(max_new_tokens=3, temperature=0.7, eos_id=9)
     responses = [([4, 9], [-0.5, -0.25]), ([5, 6, 7], [-1.0, -2.0, -3.0]), ([9], [-0.125])]
     prompts = [[1], [2, 3], [4]]
-    batch = rollout_batch(responses, prompts, range(1, 3), params, vocab_size=10)
+    batch = rollout_batch(responses, prompts, range(1, 3), params)
     assert batch.sequence_indices == (1, 2)
     assert batch.prompt_tokens == ((2, 3), (4,))
     assert batch.response_tokens.tolist() == [[5, 6, 7], [9, 0, 0]]
@@ -162,28 +162,28 @@ def test_rollout_batch_from_engine_responses_keeps_the_share_and_marks_eos_finis
     assert torch.equal(batch.sampling_logprobs, batch.logprobs)  # top_p = 1: untruncated
     assert batch.finished.tolist() == [False, True]
     assert batch.logprob_temperature == 0.7
-    greedy = rollout_batch(responses, prompts, range(3),
-                           SamplingParams(max_new_tokens=3, temperature=0.0), vocab_size=10)
+    greedy = rollout_batch(responses, prompts, range(3), SamplingParams(max_new_tokens=3,
+                                                                        temperature=0.0))
     assert (greedy.sampling_logprobs == 0).all() and greedy.logprob_temperature == 1.0
 
 
 def test_rollout_batch_refuses_a_malformed_engine_response():
     params = SamplingParams(max_new_tokens=2)
     with pytest.raises(RuntimeError, match="response 0 has 3 tokens and 3 log-probs"):
-        rollout_batch([([1, 2, 3], [0.0, 0.0, 0.0])], [[1]], range(1), params, vocab_size=10)
+        rollout_batch([([1, 2, 3], [0.0, 0.0, 0.0])], [[1]], range(1), params)
     with pytest.raises(RuntimeError, match="response 0 has 1 tokens and 2 log-probs"):
-        rollout_batch([([1], [0.0, 0.0])], [[1]], range(1), params, vocab_size=10)
+        rollout_batch([([1], [0.0, 0.0])], [[1]], range(1), params)
 
 
-def test_rollout_batch_refuses_a_token_id_outside_the_tokenizers_vocabulary():
+def test_an_engine_token_id_outside_the_tokenizers_vocabulary_is_refused():
     """An engine sampling over padded embedding rows (ids the tokenizer lacks) is stopped where
-    its rollouts arrive, naming the ids, not later by a -inf log-prob in the loss."""
-    params = SamplingParams(max_new_tokens=3)
+    its rollouts arrive (on world rank 0, before any rank takes its share), naming the ids, not
+    later by a -inf log-prob in the loss."""
     responses = [([4, 5], [-1.0, -1.0]), ([7, 10, 3], [-1.0, -1.0, -1.0])]
     with pytest.raises(RuntimeError, match=r"response 1 holds token id\(s\) \[10\] outside "
                                            "the tokenizer's 10 ids"):
-        rollout_batch(responses, [[1], [2]], range(2), params, vocab_size=10)
-    rollout_batch(responses, [[1], [2]], range(1), params, vocab_size=10)  # not this share's
+        check_response_ids(responses, vocab_size=10)
+    check_response_ids(responses, vocab_size=11)
 
 
 def test_make_engine_builds_the_megatron_engine_and_names_a_missing_vllm_client(

@@ -25,11 +25,21 @@ from megatron_logra.rollout.engine import EngineResponse, GenerationEngine
 from megatron_logra.train.rl.engine_waits import EngineWaits
 
 
+def check_response_ids(responses: list[EngineResponse], vocab_size: int) -> None:
+    """Every sampled id must be one of the tokenizer's ``vocab_size`` ids: the trainer gives any
+    other id probability 0 (a log-prob of -inf in the loss)."""
+    for i, (tokens, _) in enumerate(responses):
+        outside = [t for t in tokens if not 0 <= t < vocab_size]
+        if outside:
+            raise RuntimeError(
+                f"the engine's response {i} holds token id(s) {outside[:4]} outside the "
+                f"tokenizer's {vocab_size} ids: the engine samples over a vocabulary the "
+                "trainer does not (its checkpoint's vocabulary must be the tokenizer's)")
+
+
 def rollout_batch(responses: list[EngineResponse], prompts: list[list[int]], indices: range,
-                  params: SamplingParams, *, vocab_size: int) -> RolloutBatch:
-    """The RolloutBatch of the sequences ``indices`` from an engine's global responses; every
-    token id must be one of the tokenizer's ``vocab_size`` ids (the trainer gives any other
-    id probability 0: a log-prob of -inf)."""
+                  params: SamplingParams) -> RolloutBatch:
+    """The RolloutBatch of the sequences ``indices`` from an engine's global responses."""
     if params.top_p < 1.0:
         raise ValueError(f"top_p={params.top_p}: a separate engine returns no nucleus-"
                          "renormalised log-probs; sample with top_p=1")
@@ -40,12 +50,6 @@ def rollout_batch(responses: list[EngineResponse], prompts: list[list[int]], ind
                 f"the engine's response {i} has {len(tokens)} tokens and {len(logprobs)} "
                 f"log-probs; it must have 1..max_new_tokens={params.max_new_tokens} of each"
             )
-        outside = [t for t in tokens if not 0 <= t < vocab_size]
-        if outside:
-            raise RuntimeError(
-                f"the engine's response {i} holds token id(s) {outside[:4]} outside the "
-                f"tokenizer's {vocab_size} ids: the engine samples over a vocabulary the "
-                "trainer does not (its checkpoint's vocabulary must be the tokenizer's)")
     width = max((len(tokens) for tokens, _ in chosen), default=0)
     size = len(chosen)
     tokens_BR = torch.zeros(size, width, dtype=torch.int64)
@@ -93,8 +97,9 @@ class SeparateEngineRollouts:
             if len(responses) != len(prompts):
                 raise RuntimeError(f"the engine answered {len(responses)} of {len(prompts)} "
                                    "prompts")
+            check_response_ids(responses, self.vocab_size)  # raised on every rank
             return responses
 
         responses = self.waits.run(ask, "rollout engine generate")
         share = data_parallel_share(len(prompts), self.groups.dp_rank, self.groups.dp_size)
-        return rollout_batch(responses, prompts, share, params, vocab_size=self.vocab_size)
+        return rollout_batch(responses, prompts, share, params)
