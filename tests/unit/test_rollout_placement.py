@@ -58,7 +58,7 @@ def test_bad_rollout_and_sync_values_are_refused_naming_field_value_and_choices(
 # A value other than the default, for every field that acts only on a separate engine: the
 # separate engine's rollout fields and every sync field.
 SEPARATE_ONLY_VALUES = {
-    "rollout.engine": "vllm", "rollout.tp": "2", "rollout.start_timeout_s": "900",
+    "rollout.engine": "vllm", "rollout.tp": "2", "rollout.start_timeout_s": "1200",
     "rollout.request_timeout_s": "3600", "rollout.vllm_venv": "/opt/vllm-venv",
     "rollout.devices": "[4]", "sync.mode": "full", "sync.wire_dtype": "bf16",
     "sync.full_interval": "5", "sync.check_interval": "0", "sync.bucket_bytes": "1024",
@@ -137,7 +137,7 @@ def test_a_supervised_run_refuses_a_separate_engine():
 
 def test_the_engines_config_keeps_the_model_and_takes_its_own_layout():
     cfg = load_config(None, [*SEPARATE, "parallel.tp=2", "parallel.sp=true", "rollout.tp=1",
-                             "rollout.start_timeout_s=900", "sync.check_interval=1",
+                             "rollout.start_timeout_s=1200", "sync.check_interval=1",
                              "sync.transport=collective", "checkpoint.resume=true",
                              "checkpoint.dir=ckpt"]).resolved(2, "rl")
     own = config_from_dict(engine_config(cfg)).resolved(1, "rl")
