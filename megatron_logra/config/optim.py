@@ -132,6 +132,18 @@ def target_local_input_widths(model: Any, tp: int, targets: list[str]) -> dict[s
     return {name: widths[name] for name in targets}
 
 
+def check_kl_control_settings_act(kl: KLControlConfig, optimizer_name: str) -> None:
+    """Refuse the controller's settings in a LoGRA run whose KL control is off (with another
+    optimizer the whole logra section is unselected, as the other loss preset's settings are:
+    a dense baseline runs from the LoGRA run's own file)."""
+    inert = kl_control_inert_settings(kl)
+    if inert and optimizer_name == "logra":
+        raise ValueError(
+            f"{', '.join(inert)} with logra.kl_control.enabled=false: the KL control is off, "
+            "so they would do nothing; set logra.kl_control.enabled=true or drop them"
+        )
+
+
 def kl_control_inert_settings(kl: KLControlConfig) -> list[str]:
     """``logra.kl_control.<key>=value`` of every controller setting that differs from its
     default, when the control is off (they would do nothing). The temperature is not among

@@ -93,6 +93,19 @@ SEPARATE_ENGINE_FIELDS: tuple[str, ...] = (
 the trainer's ranks sample with their own weights: nothing is started, placed or waited for)."""
 
 
+def check_engine_collective_timeout(rollout: RolloutConfig, collective_timeout_s: float) -> None:
+    """The Megatron engine's ranks other than 0 wait on its rank 0 in collectives whose timeout
+    is the trainer's: a timeout its idle broadcast cannot meet is refused."""
+    if rollout.engine == "megatron" and rollout.tp > 1 and \
+            collective_timeout_s <= ENGINE_IDLE_BROADCAST_S:
+        raise ValueError(
+            f"parallel.collective_timeout_s={collective_timeout_s:g} with rollout.engine="
+            f"megatron at rollout.tp={rollout.tp}: the engine's ranks wait on its rank 0, which "
+            f"wakes them every {ENGINE_IDLE_BROADCAST_S:g} s while the trainer updates, in "
+            "collectives with that timeout; raise parallel.collective_timeout_s above "
+            f"{ENGINE_IDLE_BROADCAST_S:g} (default 600)")
+
+
 def _default(section: Any, name: str) -> Any:
     item = next(f for f in dataclasses.fields(section) if f.name == name)
     return item.default_factory() if item.default is dataclasses.MISSING else item.default

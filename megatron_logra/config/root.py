@@ -16,13 +16,13 @@ from megatron_logra.config.optim import (
     LoRAConfig,
     OptimizerConfig,
     check_host_merge_chunk,
-    kl_control_inert_settings,
+    check_kl_control_settings_act,
 )
 from megatron_logra.config.rl import RLConfig
 from megatron_logra.config.rollout import (
-    ENGINE_IDLE_BROADCAST_S,
     RolloutConfig,
     SyncConfig,
+    check_engine_collective_timeout,
     colocated_inert_settings,
 )
 from megatron_logra.config.run import CheckpointConfig, DataConfig, RunConfig, TrainConfig
@@ -93,14 +93,7 @@ class Config:
                 "logra.kl_control.enabled=true controls LoGRA updates; it needs "
                 "optimizer.name=logra"
             )
-        inert = kl_control_inert_settings(self.logra.kl_control)
-        # (with another optimizer the whole logra section is unselected, as the other loss
-        # preset's settings are: a dense baseline runs from the LoGRA run's own file)
-        if inert and self.optimizer.name == "logra":
-            raise ValueError(
-                f"{', '.join(inert)} with logra.kl_control.enabled=false: the KL control is "
-                "off, so they would do nothing; set logra.kl_control.enabled=true or drop them"
-            )
+        check_kl_control_settings_act(self.logra.kl_control, self.optimizer.name)
         if self.logra.kl_control.enabled and m.attention == "te":
             raise ValueError(
                 "logra.kl_control.enabled=true probes the model with forward-mode AD, which "
@@ -144,14 +137,7 @@ class Config:
                                  "is no separate engine to start, place or sync; set "
                                  "rollout.placement=separate or drop them")
             return
-        timeout = self.parallel.collective_timeout_s
-        if ro.engine == "megatron" and ro.tp > 1 and timeout <= ENGINE_IDLE_BROADCAST_S:
-            raise ValueError(
-                f"parallel.collective_timeout_s={timeout:g} with rollout.engine=megatron at "
-                f"rollout.tp={ro.tp}: the engine's ranks wait on its rank 0, which wakes them "
-                f"every {ENGINE_IDLE_BROADCAST_S:g} s while the trainer updates, in collectives "
-                "with that timeout; raise parallel.collective_timeout_s above "
-                f"{ENGINE_IDLE_BROADCAST_S:g} (default 600)")
+        check_engine_collective_timeout(ro, self.parallel.collective_timeout_s)
         if ro.devices and self.parallel.device == "cpu":
             raise ValueError(f"rollout.devices={ro.devices} with parallel.device=cpu: the engine "
                              "would run on GPUs, its trainer on the CPU; set parallel.device=cuda "
