@@ -41,7 +41,6 @@ from megatron_logra.mcore.models.sharding import (
     global_named_parameters,
     partition_of,
 )
-from megatron_logra.mcore.models.sync_state import target_param_names
 from megatron_logra.mcore.process_groups import destroy_parallel, init_parallel
 from megatron_logra.rl.rollout import SamplingParams
 from megatron_logra.rollout.megatron_engine import AUTHKEY_ENV, ENGINE_PROTOCOL
@@ -61,18 +60,17 @@ _PARAMS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 class EngineRank:
     """One engine rank: its model shard, the sampler on it, the shadow of its shard."""
 
-    def __init__(self, cfg, groups) -> None:
+    def __init__(self, cfg, groups, shadow_targets: list[str]) -> None:
         self.groups = groups
         tokenizer = load_run_tokenizer(cfg)
         self.eos_id = tokenizer.eos_id
         self.chunks = build_model_chunks(cfg, groups, vocab_size=embedding_rows(cfg, tokenizer))
         self.sampler = MegatronSampler(self.chunks, groups, vocab_size=tokenizer.vocab_size)
         self.params = dict(global_named_parameters(self.chunks[0]))
-        # An fp32 shadow of the targets only where low-rank records arrive (the trainer's
-        # engine_shadow_targets): full and delta sync hand the engine its served weights.
-        low_rank = cfg.sync.resolved_mode(cfg.optimizer.name) == "low_rank"
-        targets = (target_param_names(cfg.logra.targets, cfg.model.num_layers)
-                   if cfg.optimizer.name == "logra" and low_rank else [])
+        # An fp32 shadow of the targets only where low-rank records arrive: the trainer names
+        # them (its engine_shadow_targets; full and delta sync hand the engine its served
+        # weights). The engine's own config is colocated and has no sync section to read.
+        targets = list(shadow_targets)
         missing = sorted(set(targets) - self.params.keys())
         if missing:
             raise RuntimeError(f"the engine's model has no parameters {missing[:4]}")
@@ -161,12 +159,12 @@ def combined_reply(replies: list[tuple[str, Any]]) -> tuple[str, Any]:
         for message, ranks in failed.items())
 
 
-def serve(cfg, port: int, authkey: bytes) -> None:
+def serve(cfg, port: int, authkey: bytes, shadow_targets: list[str]) -> None:
     groups = init_parallel(cfg)
     world = dist.group.WORLD
     rank = None
     try:
-        rank = EngineRank(cfg, groups)
+        rank = EngineRank(cfg, groups, shadow_targets)
         conn = None
         if groups.world_rank == 0:
             listener = Listener(("127.0.0.1", port), authkey=authkey)
@@ -207,11 +205,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="the engine config (JSON)")
     parser.add_argument("--port", type=int, required=True, help="rank 0 listens here")
+    parser.add_argument("--shadow-targets", required=True,
+                        help="JSON list of the parameters the engine keeps an fp32 shadow of")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(message)s")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cfg = config_from_dict(json.loads(open(args.config).read())).resolved(world, "rl")
-    serve(cfg, args.port, bytes.fromhex(os.environ[AUTHKEY_ENV]))
+    shadow_targets = json.loads(open(args.shadow_targets).read())
+    serve(cfg, args.port, bytes.fromhex(os.environ[AUTHKEY_ENV]), shadow_targets)
     return 0
 
 
