@@ -4,7 +4,9 @@ A save writes into ``.staging-<name>-<8 hex>`` next to the final ``<name>`` and 
 it is whole (``.staging-retired-<name>-<8 hex>`` holds a replaced copy until it is removed). A
 process killed mid-save leaves such a directory behind; :func:`remove_stale_staging` removes
 those at start-up -- only directories whose name is exactly that pattern, never a file and
-never anything else a user keeps there.
+never anything else a user keeps there. A save killed between the two renames of a re-save
+(retire the old copy, publish the new one) leaves no ``<name>`` but two complete copies of it;
+:func:`recover_interrupted_saves` publishes one of them first, so the step is not lost.
 
 Hashing reads every byte of a checkpoint; the same pass fsyncs each file (its data is then on
 disk before the manifest that vouches for it is written), and reports what it cost
@@ -28,9 +30,11 @@ from megatron_logra.atomic_write import fsync_directory
 MANIFEST = "manifest.json"
 STAGING_PREFIX = ".staging-"
 RETIRED = "retired-"
+MANIFEST = "manifest.json"
+"""Written last into a staging directory: a directory with it is a complete checkpoint."""
 _TOKEN_HEX = 8
 STAGING_PATTERN = re.compile(
-    rf"^{re.escape(STAGING_PREFIX)}(?:{RETIRED})?.+-[0-9a-f]{{{_TOKEN_HEX}}}$"
+    rf"^{re.escape(STAGING_PREFIX)}(?P<retired>{RETIRED})?(?P<name>.+)-[0-9a-f]{{{_TOKEN_HEX}}}$"
 )
 _HASH_CHUNK = 1 << 22
 
@@ -93,17 +97,53 @@ def fsync_directories(directory: Path) -> None:
         fsync_directory(path)
 
 
+def _staging_directories(root: Path) -> list[Path]:
+    """Our staging (and retired) directories in ``root``: directories, never symlinks or
+    files, named exactly as :func:`staging_name` names them."""
+    if not root.is_dir():
+        return []
+    return [path for path in sorted(root.iterdir())
+            if STAGING_PATTERN.match(path.name) and path.is_dir() and not path.is_symlink()]
+
+
+def recover_interrupted_saves(root: Path) -> list[Path]:
+    """Publish a complete copy of every checkpoint a save killed mid-rename left unpublished;
+    returns the published paths.
+
+    A re-save retires the old ``<name>`` and then renames the new one into place; killed
+    between the two, it leaves no ``<name>``, a retired copy and a staged copy, both with their
+    manifest. The staged copy (the newer save; the newest if several) becomes ``<name>``, else
+    the retired one does. A staging directory without a manifest is an unfinished save and
+    never published. Call it before :func:`remove_stale_staging` (on one rank).
+    """
+    candidates: dict[str, list[tuple[bool, float, Path]]] = {}
+    for path in _staging_directories(root):
+        manifest = path / MANIFEST
+        if manifest.is_file():
+            match = STAGING_PATTERN.match(path.name)
+            staged = match.group("retired") is None
+            candidates.setdefault(match.group("name"), []).append(
+                (staged, manifest.stat().st_mtime, path))
+    published = []
+    for name, copies in sorted(candidates.items()):
+        final = root / name
+        if final.exists() or final.is_symlink():
+            continue  # published already: the copies are stale
+        os.replace(max(copies)[2], final)
+        fsync_directory(root)
+        published.append(final)
+    return published
+
+
 def remove_stale_staging(root: Path) -> list[Path]:
     """Remove the staging directories a killed save left in ``root``; returns them.
 
     Only directories (not symlinks, not files) whose name matches :data:`STAGING_PATTERN`.
-    Call it before this run saves anything (at start-up, on one rank).
+    Call it before this run saves anything (at start-up, on one rank), after
+    :func:`recover_interrupted_saves`.
     """
     removed = []
-    if not root.is_dir():
-        return removed
-    for path in sorted(root.iterdir()):
-        if STAGING_PATTERN.match(path.name) and path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-            removed.append(path)
+    for path in _staging_directories(root):
+        shutil.rmtree(path)
+        removed.append(path)
     return removed

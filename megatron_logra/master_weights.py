@@ -17,7 +17,10 @@ the choice of ``logra.master_weights`` (:func:`master_weights_mode`), made once:
   merge streams them through the device in row chunks.
 
 All three round with :func:`round_to_bf16` and compute the same fp32 update of the same rows, so
-they give bit-identical weights; a checkpoint holds the fp32 rows in every mode, so any mode
+they give bit-identical weights on CPU (the host store's chunks are whole GEMM row blocks,
+:mod:`megatron_logra.merge_chunks`); on a GPU ``remainder`` still computes dp_sharded's very GEMM,
+while a host chunk's row count may make cuBLAS pick another kernel (tools/gpu_check.py
+``master_merge`` measures it); a checkpoint holds the fp32 rows in every mode, so any mode
 loads another's. Per target parameter that is 2 + {4, 2, 0}/dp device bytes, against 6 + 12/dp
 for Megatron's distributed Adam.
 
@@ -36,6 +39,12 @@ from megatron_logra.bf16_remainder import (
     combine_bf16_remainder,
     round_to_bf16,
     split_bf16_remainder,
+)
+from megatron_logra.merge_chunks import (
+    MERGE_ROW_ALIGNMENT,
+    MIB,
+    host_chunk_rows,
+    min_host_chunk_mib,
 )
 from megatron_logra.row_sharding import RowShard
 from megatron_logra.sketch import apply_low_rank_update_
@@ -222,14 +231,6 @@ class RemainderMaster:
         return []
 
 
-MERGE_ROW_ALIGNMENT = 192
-"""Host chunks hold a multiple of this many rows. A CPU GEMM computes rows in register blocks
-(4, 6, 8, 12, 16, 32 or 64 rows, by kernel) and a block's leftover rows with another kernel,
-which rounds differently: on an AVX-512 CPU, chunks of 3 or 5 rows differed from the one-call
-merge in 1-9% of elements, chunks of any multiple of 4 rows in none (docs/LOG.md 2026-12-02).
-192 is a multiple of every one of those blocks, so a chunked merge meets the leftover rows
-exactly where the one-call merge of the same block does."""
-
 
 class HostMaster:
     """``host``: fp32 master rows in host memory (pinned when the weight is on a GPU), merged
@@ -390,13 +391,13 @@ class HostMasters(_MasterMode):
         self.chunk_bytes = chunk_bytes
 
     def make(self, weight: torch.Tensor, shard: RowShard) -> RowMaster | None:
-        # Rows of fp32 master per chunk, whole multiples of the alignment (at least one).
-        rows = self.chunk_bytes // (4 * weight.shape[1])
-        chunk_rows = max(1, rows // MERGE_ROW_ALIGNMENT) * MERGE_ROW_ALIGNMENT
+        chunk_rows = host_chunk_rows(self.chunk_bytes, weight.shape[1])
+        if chunk_rows == 0:  # the config refuses this (check_merge_chunk); never rounded up
+            raise ValueError(
+                f"logra.merge_chunk_mib={self.chunk_bytes / MIB:g} holds no group of "
+                f"{MERGE_ROW_ALIGNMENT} fp32 rows of a target {weight.shape[1]} columns wide; "
+                f"set it to at least {min_host_chunk_mib(weight.shape[1]):.4g}")
         return HostMaster(weight, shard, chunk_rows=chunk_rows)
-
-
-_MIB = 1 << 20
 
 
 def master_weights_mode(
@@ -425,7 +426,7 @@ def master_weights_mode(
     if requested == "remainder":
         return RemainderMasters()
     if requested == "host":
-        return HostMasters(int(merge_chunk_mib * _MIB))
+        return HostMasters(int(merge_chunk_mib * MIB))
     raise ValueError(f"unknown logra.master_weights={requested!r}")
 
 

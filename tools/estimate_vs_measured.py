@@ -103,8 +103,11 @@ def overrides(args: argparse.Namespace, *, method: str, dtype: str, attention: s
         f"model.recompute={recompute}",
         "train.micro_batch_size=1", "train.global_batch_size=1", "train.steps=4",
         f"lora.lora_rank={args.rank}", f"lora.alpha={2 * args.rank}",
-        f"logra.sketch_rank={args.rank}", f"logra.kl_control.probe_max_tokens={seq_length}",
-        *METHOD_OVERRIDES[method], *moe_overrides(args),
+        f"logra.sketch_rank={args.rank}", *METHOD_OVERRIDES[method],
+        # the KL probe over the whole sequence (where the KL control is on)
+        *([f"logra.kl_control.probe_max_tokens={seq_length}"]
+          if "logra.kl_control.enabled=true" in METHOD_OVERRIDES[method] else []),
+        *moe_overrides(args),
         *(["model.qk_layernorm=true"] if args.qk_layernorm else []),
     ]
 

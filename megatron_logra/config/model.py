@@ -167,6 +167,40 @@ class ModelConfig:
         }
 
 
+# Which model fields decide what a checkpoint's weights compute. A checkpoint is loaded (resumed
+# or by model.init_checkpoint) only into a run whose values of these agree: another value is
+# another model, whose loaded weights would compute something else without any error (a
+# different rotary base or norm epsilon loads every tensor and silently changes every logit).
+MODEL_FUNCTION_FIELDS: tuple[str, ...] = (
+    "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+    "normalization", "activation", "position_embedding", "rotary_base", "seq_length",
+    "add_bias_linear", "add_qkv_bias", "qk_layernorm", "untie_embeddings", "layernorm_epsilon",
+    "make_vocab_size_divisible_by", "params_dtype", "num_moe_experts", "moe_router_topk",
+    "moe_ffn_hidden_size", "moe_shared_expert_ffn_hidden_size", "moe_router_pre_softmax",
+    "moe_shared_expert_gate", "moe_layer_freq",
+)
+# Function fields that act only with another field's value (e.g. the rotary base only with rotary
+# embeddings, the sequence length only as the learned position table's rows): compared only when
+# both the checkpoint and the run have that value.
+MODEL_FIELDS_ACTING_WITH: dict[str, tuple[str, str]] = {
+    "rotary_base": ("position_embedding", "rope"),
+    "seq_length": ("position_embedding", "learned_absolute"),
+}
+# The other model fields, and why a checkpoint may be loaded with another value of them.
+MODEL_RUNTIME_FIELDS: dict[str, str] = {
+    "init_method_std": "the initialisation's scale: a loaded model is not initialised",
+    "vocab_size": "rows before padding: with the same padded rows the tensors and what they "
+                  "compute on the tokenizer's ids are the same; other padded rows are another "
+                  "tensor shape, which the load itself refuses",
+    "attention": "the kernel of the same attention function (sdpa, local, te)",
+    "recompute": "what backward recomputes, not what the model computes",
+    "recompute_method": "what backward recomputes",
+    "recompute_num_layers": "what backward recomputes",
+    "moe_token_dispatcher": "how tokens travel to their experts, not where they go",
+    "init_checkpoint": "where the weights come from",
+}
+
+
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
     """The parallel layout. ``dp`` follows from the world size: world = tp * cp * pp * dp."""
@@ -197,7 +231,9 @@ class ParallelConfig:
     """How long a rank waits in one collective (and at start-up, for the others to join) before
     it fails with an error instead of hanging: when another rank died (killed, out of memory, a
     lost node), the survivors stop within about this time. It must exceed the longest legitimate
-    wait, e.g. rank 0 writing a checkpoint or grading rewards while the others wait for it."""
+    wait, e.g. rank 0 writing a checkpoint or grading rewards while the others wait for it.
+    Waits on a separate rollout engine are not bounded by it: rank 0 sends heartbeats while the
+    engine starts, generates or syncs, which rollout.start_timeout_s / request_timeout_s bound."""
 
     def validate(self, path: str = "parallel") -> None:
         check_positive(f"{path}.tp", self.tp)

@@ -106,3 +106,14 @@ def check_moe_run(cfg: Any) -> None:
             "optimizer.name=lora does not adapt experts (its targets are dense linears); use "
             "optimizer.name=logra or a dense optimizer with an MoE model"
         )
+    if cfg.rollout.separate:
+        # Refused rather than half-built: policy sync assembles full weights over the tensor-
+        # and pipeline-parallel groups only (experts live on their expert-parallel ranks), the
+        # engine's shadow names only dense targets, the Megatron engine runs one data-parallel
+        # rank (no expert parallelism, and MoE at engine TP > 1 needs sequence parallelism it
+        # does not have) and the vLLM plugin has no layout for fused experts.
+        raise ValueError(
+            f"model.num_moe_experts={m.num_moe_experts} with rollout.placement=separate: policy "
+            "sync does not carry expert weights to a separate engine (neither rollout.engine="
+            "megatron nor vllm); use rollout.placement=colocated for an MoE model"
+        )

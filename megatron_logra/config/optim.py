@@ -3,7 +3,9 @@ model and how."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 from megatron_logra.config.checks import (
     check_choice,
@@ -13,7 +15,9 @@ from megatron_logra.config.checks import (
     check_positive,
     validate_subsections,
 )
+from megatron_logra.config.moe import expert_ffn_width
 from megatron_logra.controller import KLControlSettings
+from megatron_logra.merge_chunks import MERGE_ROW_ALIGNMENT, min_host_chunk_mib
 
 TARGET_NAMES: tuple[str, ...] = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 OPTIMIZERS: tuple[str, ...] = ("logra", "adam", "sgd", "lora")
@@ -97,6 +101,61 @@ class KLControlConfig(KLControlSettings):
             check_finite(f"{path}.mismatch_input", self.mismatch_input)
 
 
+def check_host_merge_chunk(logra: LoGRAConfig, model: Any, tp: int) -> None:
+    """``logra.merge_chunk_mib`` must hold one row group of every host-mastered target: a
+    chunk is never rounded up past its budget (``model``: the model section)."""
+    if logra.master_weights != "host":
+        return
+    widths = target_local_input_widths(model, tp, logra.targets)
+    target, width = max(widths.items(), key=lambda item: item[1])
+    if logra.merge_chunk_mib < min_host_chunk_mib(width):
+        raise ValueError(
+            f"logra.merge_chunk_mib={logra.merge_chunk_mib} holds no group of "
+            f"{MERGE_ROW_ALIGNMENT} fp32 rows of {target} ({width} input columns per "
+            f"tensor-parallel rank): a chunk is whole groups of rows, at most the budget; set "
+            f"logra.merge_chunk_mib >= {min_host_chunk_mib(width):.4g}"
+        )
+
+
+def target_local_input_widths(model: Any, tp: int, targets: list[str]) -> dict[str, int]:
+    """Each target's widest input per tensor-parallel rank (the row width its masters have):
+    column-parallel qkv / fc1 see the whole hidden size, row-parallel proj / fc2 their slice of
+    the heads' or of the widest FFN present (dense, routed expert, shared expert)."""
+    ffn = [] if model.num_moe_experts is not None and model.moe_layer_freq == 1 else [
+        model.ffn_hidden_size]
+    if model.num_moe_experts is not None:
+        ffn += [expert_ffn_width(model)]
+        if model.moe_shared_expert_ffn_hidden_size is not None:
+            ffn += [model.moe_shared_expert_ffn_hidden_size]
+    widths = {"linear_qkv": model.hidden_size, "linear_fc1": model.hidden_size,
+              "linear_proj": model.hidden_size // tp, "linear_fc2": max(ffn) // tp}
+    return {name: widths[name] for name in targets}
+
+
+def check_kl_control_settings_act(kl: KLControlConfig, optimizer_name: str) -> None:
+    """Refuse the controller's settings in a LoGRA run whose KL control is off (with another
+    optimizer the whole logra section is unselected, as the other loss preset's settings are:
+    a dense baseline runs from the LoGRA run's own file)."""
+    inert = kl_control_inert_settings(kl)
+    if inert and optimizer_name == "logra":
+        raise ValueError(
+            f"{', '.join(inert)} with logra.kl_control.enabled=false: the KL control is off, "
+            "so they would do nothing; set logra.kl_control.enabled=true or drop them"
+        )
+
+
+def kl_control_inert_settings(kl: KLControlConfig) -> list[str]:
+    """``logra.kl_control.<key>=value`` of every controller setting that differs from its
+    default, when the control is off (they would do nothing). The temperature is not among
+    them: every run resolves it (rl to the sampling temperature, refusing another value)."""
+    if kl.enabled:
+        return []
+    return [f"logra.kl_control.{item.name}={getattr(kl, item.name)}"
+            for item in dataclasses.fields(kl)
+            if item.name not in ("enabled", "temperature")
+            and getattr(kl, item.name) != item.default]
+
+
 @dataclass(frozen=True, kw_only=True)
 class LoGRAConfig:
     """Low-rank gradient sketches on the target linears (used when optimizer.name=logra)."""
@@ -123,10 +182,14 @@ class LoGRAConfig:
     ``dp_sharded`` (fp32 rows on the device, 4/dp B per target parameter), ``remainder`` (the
     int16 low halves only, the bf16 weight being the high half: 2/dp B, bit-identical results),
     ``host`` (fp32 rows in pinned host memory, streamed through the device at the merge: ~0 B,
-    bit-identical results, a copy per step); ``auto``: none for fp32, dp_sharded for bf16."""
+    bit-identical results on CPU, a copy per step); ``auto``: none for fp32, dp_sharded for
+    bf16."""
     merge_chunk_mib: float = DEFAULT_MERGE_CHUNK_MIB
-    """master_weights=host: MiB of fp32 master rows per chunk streamed through the device at the
-    merge (two chunks are staged on the device at a time)."""
+    """master_weights=host: at most this many MiB of fp32 master rows per chunk streamed through
+    the device at the merge (two chunks are staged on the device at a time). A chunk is the
+    most whole groups of 192 rows that fit (the GEMM row alignment that keeps a chunked merge
+    bit-identical to a one-call one on CPU, megatron_logra.merge_chunks); a budget below one
+    group of the widest target (192 x its local input width x 4 B) is refused."""
     beta2: float = 0.95
     eps: float = 1e-8
     targets: list[str] = field(default_factory=lambda: list(TARGET_NAMES))

@@ -3,7 +3,9 @@ a separate engine's weights are kept equal to the trainer's; docs/sync.md)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 from megatron_logra.config.checks import check_choice, check_positive
 
@@ -17,6 +19,10 @@ of device: megatron_logra/sync/replay_device.py), full for every other optimizer
 ENGINE_START_TIMEOUT_S = 900.0
 """vLLM's start was measured at 24-39 s on a quiet 2-core machine and 156-315 s on a loaded one
 (docs/vllm.md); 900 s is well above both (a too short default killed healthy starts)."""
+ENGINE_IDLE_BROADCAST_S = 30.0
+"""The Megatron engine's rank 0 wakes its other ranks at least this often while the trainer is
+busy (they wait in a collective of the engine's world, whose timeout is the trainer's
+parallel.collective_timeout_s)."""
 SYNC_WIRE_DTYPES: tuple[str, ...] = ("fp32", "bf16")
 SYNC_TRANSPORTS: tuple[str, ...] = ("rpc", "collective")
 """rpc: each record's bytes over the engine's control channel (re-sent by a multi-rank engine
@@ -35,10 +41,13 @@ class RolloutConfig:
     tp: int = 1
     """The separate engine's own tensor-parallel size (independent of parallel.tp)."""
     start_timeout_s: float = ENGINE_START_TIMEOUT_S
-    """A separate engine that has not answered this long after its launch is an error."""
+    """A separate engine that has not answered this long after its launch is an error. The
+    other trainer ranks wait as long as the start takes (rank 0 sends them heartbeats), not
+    parallel.collective_timeout_s."""
     request_timeout_s: float = 600.0
     """One request to a separate engine (a generate, a sync record) that takes longer is an
-    error naming the request: never a hang."""
+    error naming the request: never a hang. The other trainer ranks wait as long as rank 0's
+    requests take (a full sync is many), not parallel.collective_timeout_s."""
     vllm_venv: str = ""
     """The venv vLLM runs in (rollout.engine=vllm); empty: this checkout's ``.venv-vllm``, which
     ``make setup-vllm`` builds. Checked before any rank starts."""
@@ -68,10 +77,50 @@ class RolloutConfig:
         if not isinstance(self.vllm_venv, str):
             raise ValueError(f"{path}.vllm_venv={self.vllm_venv!r} must be a directory path "
                              "(empty: the checkout's .venv-vllm)")
+        if self.vllm_venv and self.engine != "vllm":
+            raise ValueError(f"{path}.vllm_venv={self.vllm_venv!r} with {path}.engine="
+                             f"{self.engine}: only a vLLM engine runs in that venv; set "
+                             f"{path}.engine=vllm or drop {path}.vllm_venv")
 
     @property
     def separate(self) -> bool:
         return self.placement == "separate"
+
+
+SEPARATE_ENGINE_FIELDS: tuple[str, ...] = (
+    "engine", "tp", "start_timeout_s", "request_timeout_s", "vllm_venv", "devices")
+"""The rollout fields that only act on a separate engine (with rollout.placement=colocated
+the trainer's ranks sample with their own weights: nothing is started, placed or waited for)."""
+
+
+def check_engine_collective_timeout(rollout: RolloutConfig, collective_timeout_s: float) -> None:
+    """The Megatron engine's ranks other than 0 wait on its rank 0 in collectives whose timeout
+    is the trainer's: a timeout its idle broadcast cannot meet is refused."""
+    if rollout.engine == "megatron" and rollout.tp > 1 and \
+            collective_timeout_s <= ENGINE_IDLE_BROADCAST_S:
+        raise ValueError(
+            f"parallel.collective_timeout_s={collective_timeout_s:g} with rollout.engine="
+            f"megatron at rollout.tp={rollout.tp}: the engine's ranks wait on its rank 0, which "
+            f"wakes them every {ENGINE_IDLE_BROADCAST_S:g} s while the trainer updates, in "
+            "collectives with that timeout; raise parallel.collective_timeout_s above "
+            f"{ENGINE_IDLE_BROADCAST_S:g} (default 600)")
+
+
+def _default(section: Any, name: str) -> Any:
+    item = next(f for f in dataclasses.fields(section) if f.name == name)
+    return item.default_factory() if item.default is dataclasses.MISSING else item.default
+
+
+def colocated_inert_settings(rollout: RolloutConfig, sync: SyncConfig) -> list[str]:
+    """``key=value`` of every setting that would do nothing with colocated rollouts: the
+    separate engine's rollout fields and every field of the sync section (whatever it holds)
+    that differs from its default."""
+    changed = [(f"rollout.{name}", getattr(rollout, name)) for name in SEPARATE_ENGINE_FIELDS
+               if getattr(rollout, name) != _default(rollout, name)]
+    changed += [(f"sync.{item.name}", getattr(sync, item.name))
+                for item in dataclasses.fields(sync)
+                if getattr(sync, item.name) != _default(sync, item.name)]
+    return [f"{key}={value}" for key, value in changed]
 
 
 @dataclass(frozen=True, kw_only=True)

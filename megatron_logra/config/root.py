@@ -16,9 +16,16 @@ from megatron_logra.config.optim import (
     LoGRAConfig,
     LoRAConfig,
     OptimizerConfig,
+    check_host_merge_chunk,
+    check_kl_control_settings_act,
 )
 from megatron_logra.config.rl import RLConfig
-from megatron_logra.config.rollout import RolloutConfig, SyncConfig
+from megatron_logra.config.rollout import (
+    RolloutConfig,
+    SyncConfig,
+    check_engine_collective_timeout,
+    colocated_inert_settings,
+)
 from megatron_logra.config.run import CheckpointConfig, RunConfig, TrainConfig
 
 COMMANDS: tuple[str, ...] = ("train", "sft", "rl")
@@ -72,6 +79,8 @@ class Config:
                     f"{name}={value} must be divisible by parallel.tp={p.tp}; change one of them"
                 )
         self._check_low_rank_widths()
+        if self.optimizer.name == "logra":
+            check_host_merge_chunk(self.logra, m, p.tp)
         self._check_rollout_and_sync()
         check_moe_run(self)
         check_cp_run(self)
@@ -80,6 +89,7 @@ class Config:
                 "logra.kl_control.enabled=true controls LoGRA updates; it needs "
                 "optimizer.name=logra"
             )
+        check_kl_control_settings_act(self.logra.kl_control, self.optimizer.name)
         if self.logra.kl_control.enabled and m.attention == "te":
             raise ValueError(
                 "logra.kl_control.enabled=true probes the model with forward-mode AD, which "
@@ -117,13 +127,13 @@ class Config:
         """A separate engine's own layout must fit the model, and its sync must be exact."""
         ro, s, m = self.rollout, self.sync, self.model
         if not ro.separate:
-            for key, value, default in (("rollout.devices", ro.devices, []),
-                                        ("sync.transport", s.transport, "rpc")):
-                if value != default:
-                    raise ValueError(f"{key}={value} with rollout.placement=colocated: there is "
-                                     "no separate engine to place or sync; set "
-                                     "rollout.placement=separate or drop it")
+            inert = colocated_inert_settings(ro, s)
+            if inert:
+                raise ValueError(f"{', '.join(inert)} with rollout.placement=colocated: there "
+                                 "is no separate engine to start, place or sync; set "
+                                 "rollout.placement=separate or drop them")
             return
+        check_engine_collective_timeout(ro, self.parallel.collective_timeout_s)
         if ro.devices and self.parallel.device == "cpu":
             raise ValueError(f"rollout.devices={ro.devices} with parallel.device=cpu: the engine "
                              "would run on GPUs, its trainer on the CPU; set parallel.device=cuda "
@@ -249,6 +259,12 @@ class Config:
                 "optimizer steps on one batch of rollouts); a supervised step takes one: drop it"
             )
         kl = self.logra.kl_control
+        if kl.temperature is not None and not kl.enabled and self.optimizer.name == "logra":
+            raise ValueError(
+                f"logra.kl_control.temperature={kl.temperature} with logra.kl_control.enabled="
+                "false: the KL control is off, so it would do nothing; set "
+                "logra.kl_control.enabled=true or drop it"
+            )
         if kl.temperature is not None:
             return self
         return self._with_kl(dataclasses.replace(kl, temperature=SUPERVISED_KL_TEMPERATURE))

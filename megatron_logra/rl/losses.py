@@ -229,3 +229,18 @@ def rollout_mismatch_sums(
     gap_BL = rollout_logprobs_BL.detach().double() - train_logprobs_BL.detach().double()
     gap_sum = _masked(gap_BL, counted_BL).sum()
     return MismatchSums(gap_sum, counted_BL.sum())
+
+
+def rollout_gap_max(
+    train_logprobs_BL: torch.Tensor,
+    rollout_logprobs_BL: torch.Tensor,
+    response_mask_BL: torch.Tensor,
+) -> torch.Tensor:
+    """The largest ``|logp_rollout - logp_train|`` over every valid token (float64, 0 with
+    none): the per-token agreement of the sampler with the trainer, which a mean gap hides
+    (opposite errors cancel in it)."""
+    shape = train_logprobs_BL.shape
+    _check_token_tensor("rollout_logprobs", rollout_logprobs_BL, shape)
+    valid_BL = _valid_mask(response_mask_BL, shape)
+    gap_BL = (rollout_logprobs_BL.detach().double() - train_logprobs_BL.detach().double()).abs()
+    return _masked(gap_BL, valid_BL).max()

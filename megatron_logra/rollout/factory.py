@@ -57,11 +57,11 @@ def _vllm_engine(module, cfg: Config, target_names: Sequence[str]) -> Generation
 
 def make_engine(cfg: Config, target_names: Sequence[str] = ()) -> GenerationEngine:
     """``target_names``: the LoGRA targets' Megatron names (``<layer_key>.weight``), of which
-    vLLM keeps an exact fp32 shadow; the Megatron engine finds them in its own model."""
+    the engine keeps an exact fp32 shadow (none where no low-rank records arrive)."""
     if cfg.rollout.engine == "megatron":
         from megatron_logra.rollout.megatron_engine import MegatronEngine
 
-        return MegatronEngine(cfg, engine_dir(cfg))
+        return MegatronEngine(cfg, engine_dir(cfg), target_names)
     if cfg.rollout.engine == "vllm":
         try:
             module = importlib.import_module(VLLM_CLIENT_MODULE)

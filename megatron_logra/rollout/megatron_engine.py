@@ -26,13 +26,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from multiprocessing.connection import Client
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from megatron_logra.config import Config
+from megatron_logra.config import Config, RolloutConfig, SyncConfig
 from megatron_logra.rollout.collective_sync import CollectiveSender, TransportStats, channel_device
 from megatron_logra.rollout.engine import EngineResponse
 from megatron_logra.rollout.placement import engine_device_env
@@ -71,10 +72,10 @@ def engine_config(cfg: Config) -> dict[str, Any]:
     device = "cuda" if cfg.rollout.devices else cfg.parallel.device
     parallel = dataclasses.replace(cfg.parallel, tp=cfg.rollout.tp, pp=1, vpp=None, dp=None,
                                    sp=False, device=device)
-    # The engine samples in place: no engine of its own to place or sync (it learns of the
-    # trainer's transport from the open_channel request, and its devices are already its env).
-    rollout = dataclasses.replace(cfg.rollout, placement="colocated", devices=[])
-    sync = dataclasses.replace(cfg.sync, transport="rpc")
+    # The engine samples in place: no engine of its own to start, place or sync (it learns of
+    # the trainer's transport from the open_channel request, and its devices are already its
+    # env), so its rollout and sync sections are the colocated defaults.
+    rollout, sync = RolloutConfig(), SyncConfig()
     checkpoint = dataclasses.replace(cfg.checkpoint, resume=False)
     data = cfg.to_dict()
     data.update(parallel=dataclasses.asdict(parallel), rollout=dataclasses.asdict(rollout),
@@ -88,13 +89,16 @@ class MegatronEngine:
     Args:
         cfg: the trainer's resolved config (``rollout.tp`` and the timeouts are read).
         log_dir: the engine ranks write their output to ``log_dir/engine_rank<r>.log``.
+        target_names: the parameters the engine keeps an exact fp32 shadow of (the LoGRA
+            targets where low-rank records arrive: the trainer's ``engine_shadow_targets``).
     """
 
     weight_layout = "megatron"  # the same GPT: the trainer's names and fused layouts
 
-    def __init__(self, cfg: Config, log_dir: str | Path) -> None:
+    def __init__(self, cfg: Config, log_dir: str | Path, target_names: Sequence[str] = ()) -> None:
         self.cfg = cfg
         self.log_dir = Path(log_dir)
+        self.target_names = sorted(target_names)
         self._procs = EngineProcesses("rollout engine")
         self._rpc: RpcClient | None = None
         self._sender: CollectiveSender | None = None  # sync.transport=collective
@@ -114,6 +118,8 @@ class MegatronEngine:
         self._tmp = tempfile.TemporaryDirectory(prefix="logra_engine_")
         config_path = Path(self._tmp.name) / "engine_config.json"
         config_path.write_text(json.dumps(engine_config(self.cfg)))
+        targets_path = Path(self._tmp.name) / "shadow_targets.json"
+        targets_path.write_text(json.dumps(self.target_names))
         port, dist_port, authkey = _free_port(), _free_port(), os.urandom(32)
         for rank in range(ro.tp):
             env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank),
@@ -131,7 +137,8 @@ class MegatronEngine:
             with open(log_path, "w") as log:
                 self._procs.add(f"rank {rank}", subprocess.Popen(
                     [sys.executable, "-m", "megatron_logra.mcore.inference.engine_server",
-                     "--config", str(config_path), "--port", str(port)],
+                     "--config", str(config_path), "--port", str(port),
+                     "--shadow-targets", str(targets_path)],
                     env=env, stdout=log, stderr=subprocess.STDOUT,
                 ), log_path)
         deadline = time.monotonic() + ro.start_timeout_s

@@ -11,7 +11,8 @@ One torchrun job of two trainer processes (plus the engine's own two processes) 
 ``tests/distributed/workers/separate_engine_worker.py``: library-mode LoGRA with weight decay,
 so every kind of record travels (column-parallel rows, fc1's [gate; up] blocks, row-parallel
 column slices, Adam-trained non-targets dense), 3 RL steps with a checksum comparison after
-each, then the refusals, a forced mismatch and a killed engine.
+each, then the refusals, a forced mismatch, a killed engine, and a second engine whose start
+outlasts the waiting rank's collective timeout.
 
 A second job runs the same with ``sync.transport=collective`` and an engine of TP=2: each
 record's header over the control socket, its tensor bytes broadcast from the trainer's rank 0
@@ -123,6 +124,17 @@ def test_a_checksum_mismatch_triggers_a_full_sync_that_restores_equality(engine_
 
 def test_a_dead_engine_is_an_error_naming_the_rank_and_its_exit(engine_run):
     assert engine_run["dead_engine"].startswith("rollout engine rank 0 exited with code -9")
+
+
+def test_ranks_waiting_on_an_engine_start_outlast_a_collective_timeout_shorter_than_the_start(
+        engine_run):
+    """The engine's start bounds the wait (rollout.start_timeout_s), not the waits group's own
+    timeout: rank 0 sends heartbeats while the real engine starts."""
+    slow = engine_run["slow_start"]
+    assert slow["heartbeat_s"] < slow["group_timeout_s"]
+    for rank in slow["ranks"]:
+        assert rank["protocol"] == "megatron_logra.engine/1"
+        assert rank["waited_s"] > slow["group_timeout_s"]
 
 
 def test_collective_transport_keeps_a_tp2_engine_bit_for_bit_equal_to_the_tp2_trainer(

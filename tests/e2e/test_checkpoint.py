@@ -9,7 +9,7 @@
   tolerance of the arithmetic that changed;
 * a save killed half-way leaves the previous checkpoint as the newest loadable one;
 * a corrupt or truncated file, and a run with incompatible LoGRA settings, are refused with an
-  error naming the problem;
+  error naming the problem; checkpoint.verify=false skips only the manifest check;
 * SIGTERM makes every rank finish its step, write a checkpoint and stop.
 """
 
@@ -223,6 +223,31 @@ def test_a_corrupt_checkpoint_is_refused_naming_the_file(damage, runs):
     victim.write_bytes(bytes(data))
     stderr = _resume_fails(runs, runs.root / f"run_{damage}", ckpt, [])
     assert victim.name in stderr and "corrupt" in stderr, stderr[-2000:]
+
+
+def test_verify_false_loads_without_checking_the_manifest_and_resumes_exactly(runs):
+    """checkpoint.verify=false skips the hashing, nothing else: a copy of the step-3 checkpoint
+    whose manifest records a wrong SHA-256 for one intact file is refused with verification on,
+    and with it off resumes to the uninterrupted run's losses and weights, bit for bit."""
+    full = _full(runs)
+    step_dir = f"iter_{MID_STEP:07d}"
+    ckpt = runs.root / "unverified_ckpt"
+    copy = _copy_checkpoint(runs.checkpoint_dir("full") / step_dir, ckpt / step_dir)
+    manifest = json.loads((copy / MANIFEST).read_text())
+    victim = sorted(manifest["files"])[0]
+    manifest["files"][victim]["sha256"] = "0" * 64
+    (copy / MANIFEST).write_text(json.dumps(manifest))
+    stderr = _resume_fails(runs, runs.root / "verified", ckpt, [])
+    assert victim in stderr and "corrupt" in stderr, stderr[-2000:]
+    run_dir = runs.root / "unverified"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text((full / "metrics.jsonl").read_text())
+    nproc, layout = LAYOUTS["dp2_distopt"]
+    runs.launch(nproc, [*layout, "checkpoint.resume=true", "checkpoint.verify=false"], run_dir,
+                ckpt)
+    assert _losses(run_dir) == _losses(full)
+    want, got = _weights(full), _weights(run_dir)
+    assert all(torch.equal(got[k], want[k]) for k in want)
 
 
 def test_resuming_with_incompatible_logra_settings_is_refused(runs):

@@ -5,8 +5,9 @@ halves beside the bf16 weight) and ``host`` (fp32 rows in host memory, merged in
 compute the same fp32 update of the same rows and round it the same way, so at TP=2 x DP=2 over
 20 steps their losses and weights are *bit-identical*, not merely close. Their checkpoints hold
 fp32 rows in every mode, so a run saved in one mode resumes in another on the same trajectory:
-here dp_sharded -> remainder and remainder -> host, each resuming the step-10 checkpoint of the
-20-step run of the first mode (four 4-process jobs in all, the last two of 10 steps). The
+here dp_sharded -> remainder and remainder -> host (whose merge takes linear_qkv's owned rows in
+two chunks), each resuming the step-10 checkpoint of the 20-step run of the first mode (four
+4-process jobs in all, the last two of 10 steps). The
 per-rank state shows each store's device bytes (4, 2 and 0 per owned target element) and the
 host store's bytes counted apart.
 """
@@ -19,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_logra.merge_chunks import MIB, host_chunk_rows, min_host_chunk_mib
+from megatron_logra.row_sharding import RowShard
 from megatron_logra.train.metrics import read_metrics
 from tests.cli_runs import CliRuns
 from tests.layouts import SP, TP2
@@ -31,15 +34,21 @@ CONFIG = REPO / "configs" / "demo_cpu.yaml"
 STEPS = 20
 SWITCH_AFTER = 10
 PROCESSES = 4  # TP=2 x DP=2
+# Wide enough that a target's owned rows hold several host chunks: linear_qkv's 3 x 512 rows
+# are 768 per TP rank and 384 per DP rank, two groups of 192 (the host chunk's row alignment).
+# One layer (it has every target) of 16 tokens keeps the four jobs near the narrow model's time.
+HIDDEN = 512
 BASE = [
-    "parallel.device=cpu", *tiny_gpt(), *SWIGLU_RMSNORM_NO_BIAS, *TP2, *SP,
+    "parallel.device=cpu", *tiny_gpt(num_layers=1, hidden_size=HIDDEN, seq_length=16),
+    *SWIGLU_RMSNORM_NO_BIAS, *TP2, *SP,
     "model.params_dtype=bf16", f"train.steps={STEPS}", "train.global_batch_size=8",
     "train.micro_batch_size=4", "optimizer.name=logra", "optimizer.lr=0.002",
     "optimizer.weight_decay=0.01", "optimizer.lr_warmup_steps=0", "logra.sketch_rank=16",
     "run.save_full_weights=true",
 ]
-# Chunks of 16 fp32 rows of width 64: several per owned block, so the chunk loop is exercised.
-HOST_CHUNK_MIB = 16 * 64 * 4 / 2**20
+# The smallest budget (one group of 192 fp32 rows of the widest target, linear_qkv's 512
+# columns): two chunks per owned linear_qkv block, so the chunk loop is exercised (asserted below).
+HOST_CHUNK_MIB = min_host_chunk_mib(HIDDEN)
 MODES = {
     "dp_sharded": ["logra.master_weights=dp_sharded"],
     "remainder": ["logra.master_weights=remainder"],
@@ -75,6 +84,16 @@ def _assert_bit_identical(candidate: Path, reference: Path) -> None:
     assert sorted(w_got) == sorted(w_want)
     differing = [name for name in w_want if not torch.equal(w_got[name], w_want[name])]
     assert not differing, differing
+
+
+def test_the_host_store_merges_a_target_block_in_several_chunks(runs):
+    """What the bit-identity claims below cover: linear_qkv's owned rows of one TP and DP rank
+    (one block: its partition stride is 1) span more than one host chunk."""
+    qkv = torch.load(_run(runs, "dp_sharded") / "full_weights.pt")[
+        "decoder.layers.0.self_attention.linear_qkv.weight"]
+    owned = RowShard(qkv.shape[0] // 2, stride=1, dp_size=2, dp_rank=0).chunk_rows  # TP=2, DP=2
+    chunk = host_chunk_rows(int(HOST_CHUNK_MIB * MIB), qkv.shape[1])
+    assert chunk > 0 and owned // chunk >= 2, (owned, chunk)
 
 
 def test_remainder_master_trains_bit_identically_to_fp32_device_masters(runs):

@@ -12,8 +12,10 @@ import pytest
 from megatron_logra import checkpoint_files
 from megatron_logra.atomic_write import write_atomically
 from megatron_logra.checkpoint_files import (
+    MANIFEST,
     fsync_directories,
     hash_files,
+    recover_interrupted_saves,
     remove_stale_staging,
     staging_name,
 )
@@ -105,6 +107,42 @@ def test_remove_stale_staging_never_touches_a_users_files_or_other_directories(t
     assert remove_stale_staging(tmp_path) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == before
     assert user_dir.is_dir()
+
+
+def _checkpoint_copy(root: Path, name: str, content: str, *, complete: bool = True) -> Path:
+    (root / name).mkdir()
+    (root / name / "shard.distcp").write_text(content)
+    if complete:
+        (root / name / MANIFEST).write_text("{}")
+    return root / name
+
+
+def test_a_resave_killed_between_its_renames_keeps_the_step_publishing_the_new_copy(tmp_path):
+    """What the crash leaves (the old copy retired, the new one complete but still staged, no
+    iter_0000004): start-up publishes the new copy and only then removes the rest."""
+    _checkpoint_copy(tmp_path, staging_name("iter_0000004", "0a0a0a0a", retired=True), "old")
+    _checkpoint_copy(tmp_path, staging_name("iter_0000004", "1b1b1b1b"), "new")
+    _checkpoint_copy(tmp_path, staging_name("iter_0000006", "2c2c2c2c"), "half", complete=False)
+    assert recover_interrupted_saves(tmp_path) == [tmp_path / "iter_0000004"]
+    remove_stale_staging(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000004"]
+    assert (tmp_path / "iter_0000004" / "shard.distcp").read_text() == "new"
+    assert (tmp_path / "iter_0000004" / MANIFEST).is_file()
+
+
+def test_a_retired_copy_alone_is_published_again_and_a_published_step_is_left_alone(tmp_path):
+    _checkpoint_copy(tmp_path, staging_name("iter_0000002", "3d3d3d3d", retired=True), "old")
+    _checkpoint_copy(tmp_path, "iter_0000008", "published")
+    _checkpoint_copy(tmp_path, staging_name("iter_0000008", "4e4e4e4e"), "other")
+    assert recover_interrupted_saves(tmp_path) == [tmp_path / "iter_0000002"]
+    assert (tmp_path / "iter_0000002" / "shard.distcp").read_text() == "old"
+    assert (tmp_path / "iter_0000008" / "shard.distcp").read_text() == "published"
+
+
+def test_an_unfinished_save_is_never_published(tmp_path):
+    _checkpoint_copy(tmp_path, staging_name("iter_0000004", "5f5f5f5f"), "half", complete=False)
+    assert recover_interrupted_saves(tmp_path) == []
+    assert not (tmp_path / "iter_0000004").exists()
 
 
 def test_staging_names_match_the_cleanup_pattern_and_a_bad_token_is_refused():

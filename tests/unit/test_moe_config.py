@@ -40,6 +40,17 @@ def test_moe_settings_that_cannot_act_are_refused_with_the_fix(overrides, messag
         _resolved(*overrides)
 
 
+@pytest.mark.parametrize("engine", ["megatron", "vllm"])
+def test_an_moe_model_with_a_separate_rollout_engine_is_refused_up_front(engine):
+    """The engine copied parallel.ep into its one data-parallel rank and policy sync refused the
+    expert targets by name only once the run had started: refused at the config instead."""
+    with pytest.raises(ValueError, match="model.num_moe_experts=4 with rollout.placement="
+                                         "separate.*use rollout.placement=colocated"):
+        load_config(None, [*MOE, "model.activation=swiglu", "model.normalization=RMSNorm",
+                           "rollout.placement=separate", f"rollout.engine={engine}"],
+                    command="rl").resolved(2, "rl")
+
+
 def test_ep_must_divide_the_data_parallel_size():
     with pytest.raises(ValueError, match="must divide the data-parallel size 1"):
         _resolved(*MOE, "parallel.ep=2", world=1)

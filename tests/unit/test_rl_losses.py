@@ -33,6 +33,7 @@ from megatron_logra.rl.losses import (
     PaperLossConfig,
     grpo_policy_loss,
     paper_policy_loss,
+    rollout_gap_max,
     rollout_mismatch_sums,
 )
 
@@ -229,6 +230,17 @@ def test_rollout_mismatch_sums_only_valid_tokens_of_completed_responses():
     assert gap_sum.dtype == torch.float64
     assert gap_sum.item() == pytest.approx(-0.5, abs=FP64_TOL)
     assert num_tokens.item() == 5
+
+
+def test_rollout_gap_max_is_the_largest_per_token_gap_that_a_mean_cancels():
+    train = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.5, -9.0]])
+    rollout = torch.tensor([[-1.25, -1.75, -3.0], [-0.5, -0.5, 7.0]])
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    # Opposite gaps of 0.25 sum to 0 over the valid tokens; the padding's 16 is not counted.
+    assert rollout_mismatch_sums(train, rollout, mask, torch.ones(2, dtype=torch.bool)
+                                 ).gap_sum.item() == 0.0
+    gap = rollout_gap_max(train, rollout, mask)
+    assert gap.dtype == torch.float64 and gap.item() == 0.25
 
 
 @pytest.mark.parametrize(

@@ -10,14 +10,14 @@ import sys
 import pytest
 import torch
 
-from megatron_logra.config import config_from_dict, load_config
+from megatron_logra.config import RolloutConfig, SyncConfig, config_from_dict, load_config
 from megatron_logra.mcore.models.sync_state import target_param_names
 from megatron_logra.rl.rollout import SamplingParams
 from megatron_logra.rollout.engine import GenerationEngine
 from megatron_logra.rollout.factory import VLLM_CLIENT_MODULE, make_engine
 from megatron_logra.rollout.megatron_engine import MegatronEngine, engine_config
 from megatron_logra.rollout.vllm_engine import VLLMEngine
-from megatron_logra.train.rl.engine_rollouts import rollout_batch
+from megatron_logra.train.rl.engine_rollouts import check_response_ids, rollout_batch
 
 SEPARATE = ["rollout.placement=separate", "optimizer.name=logra"]
 # A model vLLM can serve (a Llama-style checkpoint through our converter).
@@ -55,6 +55,54 @@ def test_bad_rollout_and_sync_values_are_refused_naming_field_value_and_choices(
     _refused(overrides, fragments)
 
 
+# A value other than the default, for every field that acts only on a separate engine: the
+# separate engine's rollout fields and every sync field.
+SEPARATE_ONLY_VALUES = {
+    "rollout.engine": "vllm", "rollout.tp": "2", "rollout.start_timeout_s": "1200",
+    "rollout.request_timeout_s": "3600", "rollout.vllm_venv": "/opt/vllm-venv",
+    "rollout.devices": "[4]", "sync.mode": "full", "sync.wire_dtype": "bf16",
+    "sync.full_interval": "5", "sync.check_interval": "0", "sync.bucket_bytes": "1024",
+    "sync.transport": "collective",
+}
+
+
+def test_every_separate_engine_setting_is_listed_for_the_colocated_refusal():
+    from dataclasses import fields
+
+    from megatron_logra.config import SyncConfig
+    from megatron_logra.config.rollout import SEPARATE_ENGINE_FIELDS
+
+    assert set(SEPARATE_ONLY_VALUES) == {f"rollout.{n}" for n in SEPARATE_ENGINE_FIELDS} | {
+        f"sync.{f.name}" for f in fields(SyncConfig)}
+
+
+@pytest.mark.parametrize("key", sorted(SEPARATE_ONLY_VALUES))
+def test_a_separate_engine_setting_with_colocated_rollouts_is_refused(key):
+    """Accepted and ignored before: the trainer samples with its own weights."""
+    # (a vLLM venv alone is refused for the default engine, which runs in no venv of its own)
+    engine = ["rollout.engine=vllm"] if key == "rollout.vllm_venv" else []
+    _refused([*engine, f"{key}={SEPARATE_ONLY_VALUES[key]}"],
+             [f"{key}=", "rollout.placement=colocated", "rollout.placement=separate"])
+
+
+def test_a_collective_timeout_the_megatron_engines_idle_ranks_cannot_meet_is_refused():
+    """Its ranks other than 0 wait in collectives of this timeout while the trainer updates,
+    woken every ENGINE_IDLE_BROADCAST_S: a shorter timeout cannot hold. (The trainer's own
+    waits on the engine are not bounded by it: tests/distributed/test_separate_engine.py.)"""
+    _refused([*SEPARATE, "rollout.tp=2", "parallel.collective_timeout_s=20"],
+             ["parallel.collective_timeout_s=20", "rollout.tp=2", "every 30 s",
+              "above 30"])
+    for accepted in (["rollout.tp=1", "parallel.collective_timeout_s=20"],
+                     ["rollout.tp=2", "parallel.collective_timeout_s=31"]):
+        load_config(None, [*SEPARATE, *accepted]).resolved(1, "rl")
+
+
+def test_a_vllm_venv_for_the_megatron_engine_is_refused():
+    _refused([*SEPARATE, "rollout.vllm_venv=/opt/vllm-venv"],
+             ["rollout.vllm_venv='/opt/vllm-venv'", "rollout.engine=megatron",
+              "rollout.engine=vllm"])
+
+
 def test_low_rank_sync_is_refused_for_dense_and_lora_optimizers():
     for name in ("adam", "lora"):
         _refused(["rollout.placement=separate", f"optimizer.name={name}", "sync.mode=low_rank"],
@@ -89,11 +137,15 @@ def test_a_supervised_run_refuses_a_separate_engine():
 
 def test_the_engines_config_keeps_the_model_and_takes_its_own_layout():
     cfg = load_config(None, [*SEPARATE, "parallel.tp=2", "parallel.sp=true", "rollout.tp=1",
-                             "checkpoint.resume=true", "checkpoint.dir=ckpt"]).resolved(2, "rl")
+                             "rollout.start_timeout_s=1200", "sync.check_interval=1",
+                             "sync.transport=collective", "checkpoint.resume=true",
+                             "checkpoint.dir=ckpt"]).resolved(2, "rl")
     own = config_from_dict(engine_config(cfg)).resolved(1, "rl")
     assert (own.parallel.tp, own.parallel.pp, own.parallel.dp, own.parallel.sp) == (1, 1, 1,
                                                                                     False)
-    assert own.rollout.placement == "colocated" and not own.checkpoint.resume
+    # It samples in place: the colocated defaults (its own config accepts nothing inert).
+    assert own.rollout == RolloutConfig() and own.sync == SyncConfig()
+    assert not own.checkpoint.resume
     assert own.model == cfg.model and own.logra == cfg.logra and own.rl == cfg.rl
 
 
@@ -123,6 +175,17 @@ def test_rollout_batch_refuses_a_malformed_engine_response():
         rollout_batch([([1, 2, 3], [0.0, 0.0, 0.0])], [[1]], range(1), params)
     with pytest.raises(RuntimeError, match="response 0 has 1 tokens and 2 log-probs"):
         rollout_batch([([1], [0.0, 0.0])], [[1]], range(1), params)
+
+
+def test_an_engine_token_id_outside_the_tokenizers_vocabulary_is_refused():
+    """An engine sampling over padded embedding rows (ids the tokenizer lacks) is stopped where
+    its rollouts arrive (on world rank 0, before any rank takes its share), naming the ids, not
+    later by a -inf log-prob in the loss."""
+    responses = [([4, 5], [-1.0, -1.0]), ([7, 10, 3], [-1.0, -1.0, -1.0])]
+    with pytest.raises(RuntimeError, match=r"response 1 holds token id\(s\) \[10\] outside "
+                                           "the tokenizer's 10 ids"):
+        check_response_ids(responses, vocab_size=10)
+    check_response_ids(responses, vocab_size=11)
 
 
 def test_make_engine_builds_the_megatron_engine_and_names_a_missing_vllm_client(

@@ -21,11 +21,14 @@ Durability (a node crash, not only a killed process): the hashing pass fsyncs ev
 reads, rank 0 fsyncs the staging directories, the manifest is written with fsync, and the
 checkpoint directory is fsynced after each rename (and after ``latest_checkpointed_iteration``).
 Each save and each verified load logs what hashing cost (files, bytes, seconds). Staging
-directories a killed save left behind are removed at start-up (:func:`remove_stale_staging`).
+directories a killed save left behind are removed at start-up (:func:`remove_stale_staging`),
+after a complete copy of a checkpoint whose re-save was killed between its two renames is
+published again.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -53,6 +56,11 @@ from megatron_logra.checkpoint_files import (
     staging_name,
 )
 from megatron_logra.config import Config
+from megatron_logra.config.model import (
+    MODEL_FIELDS_ACTING_WITH,
+    MODEL_FUNCTION_FIELDS,
+    ModelConfig,
+)
 from megatron_logra.mcore.compat.megatron_fixes import apply_megatron_fixes, untie_adam_steps
 from megatron_logra.mcore.models.sharding import unwrap_model
 from megatron_logra.mcore.process_groups import ParallelGroups
@@ -185,9 +193,14 @@ def _hash_shared(
 
 
 def remove_stale_staging(root: str | Path, groups: ParallelGroups) -> None:
-    """Remove the staging directories a killed save left in ``root`` (rank 0; collective).
-    Only directories named as this module's saves name them; nothing else is touched."""
+    """Remove the staging directories a killed save left in ``root`` (rank 0; collective),
+    after publishing a complete copy of a checkpoint a re-save killed between its two renames
+    left unpublished. Only directories named as this module's saves name them; nothing else is
+    touched."""
     if groups.world_rank == 0:
+        for path in checkpoint_files.recover_interrupted_saves(Path(root)):
+            logger.warning("published %s from the complete copy a save killed mid-rename left",
+                           path)
         for path in checkpoint_files.remove_stale_staging(Path(root)):
             logger.warning("removed %s, left by a save that did not finish", path)
     dist.barrier()
@@ -375,28 +388,34 @@ def load_checkpoint(
     return common
 
 
-_MODEL_SHAPE_FIELDS = (
-    "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-    "normalization", "activation", "position_embedding", "add_bias_linear", "add_qkv_bias",
-    "qk_layernorm", "untie_embeddings", "make_vocab_size_divisible_by", "params_dtype",
-)
-# Fields added after checkpoints were written without them: their value then (the default).
-_MODEL_SHAPE_DEFAULTS: dict[str, Any] = {"qk_layernorm": False}
+# A field missing from a checkpoint's config was added after the checkpoint was written: it
+# then had the behaviour of the field's default (every model field is added with a default that
+# keeps what the model computed before).
+_MODEL_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
 
 
 # Optimizer settings that decide what optimizer state a checkpoint holds.
 _OPTIMIZER_STATE_FIELDS = ("name", "use_distributed_optimizer")
 
 
+def _acts(name: str, saved: dict[str, Any], current: dict[str, Any]) -> bool:
+    """Whether model field ``name`` decides what both the checkpoint's model and the run's
+    compute (a field of MODEL_FIELDS_ACTING_WITH only acts with its condition)."""
+    if name not in MODEL_FIELDS_ACTING_WITH:
+        return True
+    other, value = MODEL_FIELDS_ACTING_WITH[name]
+    return saved[other] == value and current[other] == value
+
+
 def _check_model_matches(
     saved: dict[str, Any], cfg: Config, path: Path, *, check_optimizer: bool = True
 ) -> None:
     current = cfg.to_dict()
-    model = {name: saved["model"].get(name, _MODEL_SHAPE_DEFAULTS.get(name))
-             for name in _MODEL_SHAPE_FIELDS}
+    model = {name: saved["model"].get(name, _MODEL_DEFAULTS[name]) for name in _MODEL_DEFAULTS}
     mismatched = [
         f"model.{name}: checkpoint {model[name]!r} vs run {current['model'][name]!r}"
-        for name in _MODEL_SHAPE_FIELDS if model[name] != current["model"][name]
+        for name in MODEL_FUNCTION_FIELDS
+        if model[name] != current["model"][name] and _acts(name, model, current["model"])
     ] + [
         f"optimizer.{name}: checkpoint {saved['optimizer'].get(name)!r} vs run "
         f"{current['optimizer'][name]!r}"

@@ -13,7 +13,8 @@ error (every rank raises the same one, all execute the same code on the same inp
 engine keeps serving; a refused sync record changes nothing.
 
 While the trainer is busy (its policy update) rank 0 broadcasts an ``idle`` request every
-``_IDLE_BROADCAST_S`` so the other ranks' collectives never reach the process group's timeout.
+``ENGINE_IDLE_BROADCAST_S`` so the other ranks' collectives never reach the process group's
+timeout (the config refuses a ``parallel.collective_timeout_s`` that is not above it).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_logra.config import config_from_dict
+from megatron_logra.config.rollout import ENGINE_IDLE_BROADCAST_S
 from megatron_logra.data.run_tokenizer import embedding_rows, load_run_tokenizer
 from megatron_logra.mcore.inference.sampler import MegatronSampler
 from megatron_logra.mcore.models.gpt import build_model_chunks
@@ -39,7 +41,6 @@ from megatron_logra.mcore.models.sharding import (
     global_named_parameters,
     partition_of,
 )
-from megatron_logra.mcore.models.sync_state import target_param_names
 from megatron_logra.mcore.process_groups import destroy_parallel, init_parallel
 from megatron_logra.rl.rollout import SamplingParams
 from megatron_logra.rollout.megatron_engine import AUTHKEY_ENV, ENGINE_PROTOCOL
@@ -53,24 +54,22 @@ from megatron_logra.sync.transport import ChannelAddress, TensorChannel, payload
 from megatron_logra.sync.wire import decode
 
 logger = logging.getLogger(__name__)
-_IDLE_BROADCAST_S = 30.0
 _PARAMS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 class EngineRank:
     """One engine rank: its model shard, the sampler on it, the shadow of its shard."""
 
-    def __init__(self, cfg, groups) -> None:
+    def __init__(self, cfg, groups, shadow_targets: list[str]) -> None:
         self.groups = groups
         tokenizer = load_run_tokenizer(cfg)
         self.chunks = build_model_chunks(cfg, groups, vocab_size=embedding_rows(cfg, tokenizer))
         self.sampler = MegatronSampler(self.chunks, groups, vocab_size=tokenizer.vocab_size)
         self.params = dict(global_named_parameters(self.chunks[0]))
-        # An fp32 shadow of the targets only where low-rank records arrive (the trainer's
-        # engine_shadow_targets): full and delta sync hand the engine its served weights.
-        low_rank = cfg.sync.resolved_mode(cfg.optimizer.name) == "low_rank"
-        targets = (target_param_names(cfg.logra.targets, cfg.model.num_layers)
-                   if cfg.optimizer.name == "logra" and low_rank else [])
+        # An fp32 shadow of the targets only where low-rank records arrive: the trainer names
+        # them (its engine_shadow_targets; full and delta sync hand the engine its served
+        # weights). The engine's own config is colocated and has no sync section to read.
+        targets = list(shadow_targets)
         missing = sorted(set(targets) - self.params.keys())
         if missing:
             raise RuntimeError(f"the engine's model has no parameters {missing[:4]}")
@@ -159,12 +158,12 @@ def combined_reply(replies: list[tuple[str, Any]]) -> tuple[str, Any]:
         for message, ranks in failed.items())
 
 
-def serve(cfg, port: int, authkey: bytes) -> None:
+def serve(cfg, port: int, authkey: bytes, shadow_targets: list[str]) -> None:
     groups = init_parallel(cfg)
     world = dist.group.WORLD
     rank = None
     try:
-        rank = EngineRank(cfg, groups)
+        rank = EngineRank(cfg, groups, shadow_targets)
         conn = None
         if groups.world_rank == 0:
             listener = Listener(("127.0.0.1", port), authkey=authkey)
@@ -174,7 +173,7 @@ def serve(cfg, port: int, authkey: bytes) -> None:
             message: list[Any] = [None]
             if conn is not None:
                 try:
-                    message[0] = conn.recv() if conn.poll(_IDLE_BROADCAST_S) else ("idle", None)
+                    message[0] = conn.recv() if conn.poll(ENGINE_IDLE_BROADCAST_S) else ("idle", None)
                 except (EOFError, OSError):
                     message[0] = ("close", None)  # the trainer went away
             dist.broadcast_object_list(message, src=0, group=world)
@@ -205,11 +204,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="the engine config (JSON)")
     parser.add_argument("--port", type=int, required=True, help="rank 0 listens here")
+    parser.add_argument("--shadow-targets", required=True,
+                        help="JSON list of the parameters the engine keeps an fp32 shadow of")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(message)s")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cfg = config_from_dict(json.loads(open(args.config).read())).resolved(world, "rl")
-    serve(cfg, args.port, bytes.fromhex(os.environ[AUTHKEY_ENV]))
+    shadow_targets = json.loads(open(args.shadow_targets).read())
+    serve(cfg, args.port, bytes.fromhex(os.environ[AUTHKEY_ENV]), shadow_targets)
     return 0
 
 

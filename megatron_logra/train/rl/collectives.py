@@ -1,6 +1,6 @@
 """The collectives of an RL step, with explicit process groups: two over data parallelism, one
-over a replica's context-parallel ranks, one that hands rank 0's result (or its error) to every
-rank."""
+over a replica's context-parallel ranks, a maximum over the world, one that hands rank 0's
+result (or its error) to every rank."""
 
 from __future__ import annotations
 
@@ -36,6 +36,13 @@ def replica_sum(values: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
         total.zero_()
     dist.all_reduce(total)
     return total
+
+
+def world_max(value: torch.Tensor) -> float:
+    """The largest of every rank's ``value`` (a scalar), on every rank."""
+    largest = value.detach().clone().to(torch.float64)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    return float(largest)
 
 
 def from_world_rank0(call: Callable[[], Any], what: str) -> Any:

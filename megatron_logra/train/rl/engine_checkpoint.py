@@ -6,7 +6,8 @@ conversion``): ``config.json`` from the model section (Llama, or Qwen2 for q/k/v
 the tensors by ``hf_tensors_from_megatron``, and the run's stop tokens (EOS, the chat template's
 end of turn, ...) as ``eos_token_id`` in ``config.json`` and ``generation_config.json`` -- vLLM
 runs without a tokenizer (token ids in, token ids out); every generate request also names the
-set, so both say the same. The full sync that follows the start overwrites
+set, so both say the same. Its vocabulary is the tokenizer's, not the embedding's padded
+rows (:func:`write_engine_checkpoint`). The full sync that follows the start overwrites
 every weight with the exact state, so the file's values only have to be the policy's shapes
 and dtype; writing the policy itself keeps the directory a usable snapshot of the start.
 """
@@ -40,7 +41,11 @@ def write_engine_checkpoint(cfg: Config, setup, groups: ParallelGroups, hf_dir: 
     """Write the policy as a Hugging Face checkpoint into ``hf_dir`` (world rank 0; collective
     over the trainer: every rank gathers, an error on rank 0 is raised on all).
 
-    ``vocab_size`` is the embedding's rows before padding (the checkpoint's vocabulary)."""
+    ``vocab_size`` is the tokenizer's vocabulary: the rows vLLM serves. The embedding's other
+    rows (``model.vocab_size`` beyond the tokenizer, Megatron's padding) are cut, here and in
+    every sync record the plugin loads (it cuts to this config's size), so vLLM's log-softmax
+    runs over exactly the ids the trainer and the built-in sampler normalise over, and vLLM
+    cannot sample an id the tokenizer lacks."""
     weights = served_weights(setup.model_chunks, groups)
 
     def write() -> None:

@@ -22,7 +22,19 @@ from megatron_logra.rl.rollout import (
     validate_prompts,
 )
 from megatron_logra.rollout.engine import EngineResponse, GenerationEngine
-from megatron_logra.train.rl.collectives import from_world_rank0
+from megatron_logra.train.rl.engine_waits import EngineWaits
+
+
+def check_response_ids(responses: list[EngineResponse], vocab_size: int) -> None:
+    """Every sampled id must be one of the tokenizer's ``vocab_size`` ids: the trainer gives any
+    other id probability 0 (a log-prob of -inf in the loss)."""
+    for i, (tokens, _) in enumerate(responses):
+        outside = [t for t in tokens if not 0 <= t < vocab_size]
+        if outside:
+            raise RuntimeError(
+                f"the engine's response {i} holds token id(s) {outside[:4]} outside the "
+                f"tokenizer's {vocab_size} ids: the engine samples over a vocabulary the "
+                "trainer does not (its checkpoint's vocabulary must be the tokenizer's)")
 
 
 def rollout_batch(responses: list[EngineResponse], prompts: list[list[int]], indices: range,
@@ -66,9 +78,10 @@ class SeparateEngineRollouts:
     """
 
     def __init__(self, engine: GenerationEngine | None, groups: ParallelGroups,
-                 *, vocab_size: int) -> None:
+                 waits: EngineWaits, *, vocab_size: int) -> None:
         self.engine = engine
         self.groups = groups
+        self.waits = waits
         self.vocab_size = vocab_size
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, *,
@@ -83,8 +96,9 @@ class SeparateEngineRollouts:
             if len(responses) != len(prompts):
                 raise RuntimeError(f"the engine answered {len(responses)} of {len(prompts)} "
                                    "prompts")
+            check_response_ids(responses, self.vocab_size)  # raised on every rank
             return responses
 
-        responses = from_world_rank0(ask, "rollout engine generate")
+        responses = self.waits.run(ask, "rollout engine generate")
         share = data_parallel_share(len(prompts), self.groups.dp_rank, self.groups.dp_size)
         return rollout_batch(responses, prompts, share, params)

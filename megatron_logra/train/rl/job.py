@@ -47,9 +47,9 @@ from megatron_logra.rollout.factory import make_engine, vllm_checkpoint_dir
 from megatron_logra.train.loop import run
 from megatron_logra.train.metrics import memory_bytes
 from megatron_logra.train.rl.batching import pad_to_length, rl_microbatches
-from megatron_logra.train.rl.collectives import from_world_rank0
 from megatron_logra.train.rl.engine_checkpoint import write_engine_checkpoint
 from megatron_logra.train.rl.engine_rollouts import SeparateEngineRollouts
+from megatron_logra.train.rl.engine_waits import EngineWaits
 from megatron_logra.train.rl.evaluation import evaluate
 from megatron_logra.train.rl.policy_sync import PolicySync, engine_shadow_targets
 from megatron_logra.train.rl.policy_update import update_policy
@@ -100,22 +100,26 @@ class RLJob:
         self.sync: PolicySync | None = None
         if cfg.rollout.separate:
             if cfg.rollout.engine == "vllm":
-                # vLLM loads a Hugging Face checkpoint: the policy, through our converter.
+                # vLLM loads a Hugging Face checkpoint: the policy, through our converter, with
+                # the tokenizer's vocabulary (vLLM masks no padded rows itself).
                 write_engine_checkpoint(cfg, self.setup, groups, vllm_checkpoint_dir(cfg),
-                                        vocab_size=embedding_rows(cfg, tokenizer),
+                                        vocab_size=tokenizer.vocab_size,
                                         stop_ids=builder.stop_ids)
             target_names = engine_shadow_targets(cfg, self.setup.logra is not None)
-            # World rank 0 owns the engine; every rank learns whether it started.
+            # World rank 0 owns the engine; every rank learns whether it started, waiting as
+            # long as the start takes (bounded by rollout.start_timeout_s, not by the
+            # collective timeout).
+            waits = EngineWaits(cfg.parallel.collective_timeout_s)
             started: list = []
 
             def start() -> None:
                 started.append(make_engine(cfg, target_names))
                 started[0].start()
-            from_world_rank0(start, "starting the rollout engine")
+            waits.run(start, "starting the rollout engine")
             self.separate_engine = started[0] if started else None
-            self.engine = SeparateEngineRollouts(self.separate_engine, groups,
+            self.engine = SeparateEngineRollouts(self.separate_engine, groups, waits,
                                                  vocab_size=tokenizer.vocab_size)
-            self.sync = PolicySync(cfg, self.setup, groups, self.separate_engine)
+            self.sync = PolicySync(cfg, self.setup, groups, self.separate_engine, waits)
         else:
             self.engine = MegatronSampler(self.setup.model_chunks, groups,
                                           vocab_size=tokenizer.vocab_size)
@@ -235,6 +239,9 @@ class RLJob:
                if self.preset.loss.clips else {}),
             "rollout_trainer_gap": first.mismatch,
             "logprob_gap_all_tokens": sums.all_gap_sum / max(sums.all_gap_tokens, 1.0),
+            "logprob_gap_max": first.gap_max,
+            **({"reference_kl": sums.reference_kl_sum / max(sums.tokens, 1.0)}
+               if self.reference is not None else {}),
             **kl_metrics,
             **(setup.logra.update_metrics() if setup.logra is not None else {}),
             "tokens": generated,

@@ -20,8 +20,9 @@ What the engine holds, and so what a full sync and a delta carry: with low-rank 
 engine keeps an fp32 shadow of the targets) the exact state, fp32 masters of the targets;
 otherwise the served weights in their own dtype (no shadow on the engine).
 
-Every method is collective over the trainer world; world rank 0 talks to the engine and an
-error there is raised on every rank (``from_world_rank0``). Metrics per step: ``sync_bytes``
+Every method is collective over the trainer world; world rank 0 talks to the engine while the
+others wait as long as it takes (:class:`~megatron_logra.train.rl.engine_waits.EngineWaits`),
+and an error there is raised on every rank. Metrics per step: ``sync_bytes``
 (the encoded bytes shipped), ``sync_time_s`` (gathers, encoding, transfer and the engine's
 apply; rank 0's clock), ``sync_full_bytes`` (what one full sync ships), and on checked steps
 ``sync_weights_match``.
@@ -58,6 +59,7 @@ from megatron_logra.sync.records import DenseUpdate, combine_rank_records, full_
 from megatron_logra.sync.replay_device import low_rank_replay_problem
 from megatron_logra.sync.wire import encode
 from megatron_logra.train.rl.collectives import from_world_rank0
+from megatron_logra.train.rl.engine_waits import EngineWaits
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +77,9 @@ class PolicySync:
     """Keeps the engine held by world rank 0 (None on the other ranks) equal to the trainer."""
 
     def __init__(self, cfg: Config, setup: Any, groups: ParallelGroups,
-                 engine: GenerationEngine | None) -> None:
+                 engine: GenerationEngine | None, waits: EngineWaits) -> None:
         self.cfg, self.setup, self.groups, self.engine = cfg, setup, groups, engine
+        self.waits = waits
         self.mode = cfg.sync.resolved_mode(cfg.optimizer.name)
         self.world = dist.group.WORLD
         self._records: list = []
@@ -179,7 +182,7 @@ class PolicySync:
             for payload in payloads:
                 self.engine.apply_sync(payload)
             return sum(len(p) for p in payloads)
-        return from_world_rank0(ship, what)
+        return self.waits.run(ship, what)
 
     def _engine_state(self) -> dict[str, torch.Tensor]:
         """What the engine holds exactly (collective): with a target shadow the fp32 masters of
@@ -261,4 +264,4 @@ class PolicySync:
         def compare() -> list[str]:
             return mismatched_weights(weight_checksums(self._engine_layout(weights).items()),
                                       self.engine.weight_checksums())
-        return from_world_rank0(compare, "policy sync weight check")
+        return self.waits.run(compare, "policy sync weight check")

@@ -25,10 +25,10 @@ from megatron_logra.mcore import (
     token_logprobs_from_logits,
 )
 from megatron_logra.probe_batch import ProbeBatch
-from megatron_logra.rl.losses import rollout_mismatch_sums
+from megatron_logra.rl.losses import rollout_gap_max, rollout_mismatch_sums
 from megatron_logra.rl.presets import PolicyLoss
 from megatron_logra.train.rl.batching import RLMicrobatch
-from megatron_logra.train.rl.collectives import replica_sum
+from megatron_logra.train.rl.collectives import replica_sum, world_max
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,9 @@ class LossSums:
     all_gap_tokens: float
     clipped_tokens: float
     """Tokens whose clipped surrogate term was selected (no gradient; GRPO), else 0."""
+    reference_kl_sum: float
+    """The k3 estimate of KL(pi_trainer || pi_reference) over the valid tokens (GRPO with a
+    reference model; the loss adds it times rl.loss.grpo.kl_beta), else 0."""
 
     def to_tensor(self) -> torch.Tensor:
         return torch.tensor([getattr(self, f.name) for f in dataclasses.fields(self)],
@@ -68,6 +71,8 @@ class LossSums:
 class PolicyUpdate:
     sums: LossSums
     grad_norm: float | None
+    gap_max: float = 0.0
+    """The largest ``|log pi_rollout - log pi_trainer|`` over every generated token."""
 
     @property
     def mismatch(self) -> float | None:
@@ -99,8 +104,11 @@ def _forward_step(
             gap.gap_sum, torch.as_tensor(gap.num_tokens, dtype=torch.float64),
             every.gap_sum, torch.as_tensor(every.num_tokens, dtype=torch.float64),
             token_loss.metrics.get("clipped_count", torch.zeros((), dtype=torch.float64)),
+            token_loss.metrics.get("kl_sum", torch.zeros((), dtype=torch.float64)),
         )
-        return token_loss.loss_sum, token_loss.num_tokens.to(torch.int), {"rl": report}
+        gap_max = rollout_gap_max(logprobs.detach(), batch.rollout_logprobs, batch.response_mask)
+        return (token_loss.loss_sum, token_loss.num_tokens.to(torch.int),
+                {"rl": report, "rl_gap_max": gap_max})
 
     return output, loss_func
 
@@ -136,8 +144,10 @@ def update_policy(
                                seq_length=seq_length, micro_batch_size=micro_batch_size)
     local = torch.zeros(len(dataclasses.fields(LossSums)), dtype=torch.float64,
                         device=groups.device)
+    gap_max = torch.zeros((), dtype=torch.float64, device=groups.device)
     for report in reports:
         local += report["rl"].to(groups.device)
+        gap_max = torch.maximum(gap_max, report["rl_gap_max"].to(groups.device))
     sums = LossSums.from_tensor(replica_sum(local, groups))
     # The sums are the same on every rank (summed over the world): all refuse together, after
     # backward filled the sketches and grads (zeroed by the next step) but before any step.
@@ -147,7 +157,7 @@ def update_policy(
             f"{sums.tokens:.0f} tokens) at optimizer step {setup.scheduler.num_steps + 1}; the "
             "optimizer was not stepped: no weight was changed"
         )
-    update = PolicyUpdate(sums=sums, grad_norm=None)
+    update = PolicyUpdate(sums=sums, grad_norm=None, gap_max=world_max(gap_max))
     control = setup.kl_control
     if control is not None:
         if observe_mismatch:

@@ -19,24 +19,31 @@ non-targets ship dense) with ``rollout.placement=separate`` and the Megatron eng
 * ``dead_engine``: the error a generate raises after engine rank 0 was killed;
 * ``wire``: the records and bytes sent until the weight check after the steps, and what the
   collective transport (``--transport collective``) carried of them: headers over the control
-  channel, tensor bytes over the broadcast.
+  channel, tensor bytes over the broadcast;
+* ``slow_start``: a fresh engine started by rank 0 while rank 1 waits through ``EngineWaits``
+  over a group whose timeout is shorter than the start: what each rank received and how long
+  it waited.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import torch
+import torch.distributed as dist
 from harness import Case, run_worker
 
 from megatron_logra.config import load_config
 from megatron_logra.mcore import MegatronSampler
 from megatron_logra.mcore.models.sharding import global_named_parameters
 from megatron_logra.mcore.models.sync_state import served_weights
+from megatron_logra.rollout.factory import make_engine
 from megatron_logra.sync.checksum import weight_checksums
 from megatron_logra.sync.records import LowRankUpdate
 from megatron_logra.sync.wire import decode, encode
 from megatron_logra.train.rl.collectives import from_world_rank0
+from megatron_logra.train.rl.engine_waits import EngineWaits
 from megatron_logra.train.rl.job import RLJob
 from megatron_logra.train.rl.rollouts import sampling_params, step_seed
 from tests.presets import SWIGLU_RMSNORM_NO_BIAS, tiny_gpt
@@ -47,6 +54,9 @@ RL_CONFIG = REPO / "configs" / "demo_rl_cpu.yaml"
 # nudged by one ulp.
 PERTURBED = "decoder.layers.0.mlp.linear_fc2.weight"
 TIMES = ("step_time_s", "rollout_time_s", "update_time_s")
+# Shorter than any engine start (a Python process importing Megatron and building the model):
+# a single collective of this timeout could not outlast one.
+SLOW_START_GROUP_TIMEOUT_S = 2.0
 
 
 def cfg_for(args, world: int):
@@ -155,7 +165,31 @@ def measure(args, cfg, groups):
         report["dead_engine"] = from_world_rank0(kill_and_generate, "dead engine")
     finally:
         job.close()
+    if args.transport == "rpc":  # once: the transport plays no part in a start
+        report["slow_start"] = _slow_start(cfg, job)
     return report
+
+
+def _slow_start(cfg, job: RLJob) -> dict:
+    """A second real engine started by rank 0 through EngineWaits over a group whose timeout
+    (SLOW_START_GROUP_TIMEOUT_S) is shorter than the start: rank 1 must wait it out."""
+    waits = EngineWaits(SLOW_START_GROUP_TIMEOUT_S)
+    targets = sorted(f"{t.layer_key}.weight" for t in job.setup.logra.targets)
+
+    def start() -> str:
+        engine = make_engine(cfg, targets)
+        engine.start()
+        try:
+            return engine.info["protocol"]
+        finally:
+            engine.close()
+    began = time.monotonic()
+    protocol = waits.run(start, "a slow engine start")
+    mine = {"protocol": protocol, "waited_s": time.monotonic() - began}
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return {"group_timeout_s": SLOW_START_GROUP_TIMEOUT_S, "heartbeat_s": waits.heartbeat_s,
+            "ranks": every}
 
 
 def add_arguments(parser) -> None:
@@ -183,7 +217,9 @@ def delta_cfg(args, world: int, optimizer: str = "adam", dtype: str = "fp32",
         "train.micro_batch_size=4", f"train.steps={args.steps}", "rl.prompts_per_step=4",
         "rl.samples_per_prompt=2", "rl.sampling.max_new_tokens=4", "rl.eval.prompts=2",
         "rl.eval.interval=0", f"optimizer.name={optimizer}", f"model.params_dtype={dtype}",
-        "logra.kl_control.enabled=false", *extra,
+        # (a dense or LoRA run cannot use the file's KL control; LoGRA keeps it: its settings
+        # would be refused as inert with the control off)
+        *(["logra.kl_control.enabled=false"] if optimizer != "logra" else []), *extra,
         "rollout.placement=separate", f"rollout.tp={args.engine_tp}",
         "rollout.start_timeout_s=120", "sync.mode=delta", "sync.check_interval=1",
         "sync.bucket_bytes=65536", f"sync.transport={args.transport}",
