@@ -7,13 +7,13 @@
 #   NPROC          processes on this node
 #   PYTHON_BIN     the interpreter that runs torch.distributed.run
 #   ENV_PREFIX     array: `env VAR=value ...` words put in front of the command (may be empty)
-#   TRAINER_ARGS   array: `-m megatron_logra SUBCOMMAND CONFIG OVERRIDES...`
+#   TRAINER_ARGS   array: `-m megatron_logra SUBCOMMAND CONFIG [CONFIG...] OVERRIDES...`
 
 SUBCOMMANDS=(train sft rl)
 
 usage_error() {
     echo "${SCRIPT_NAME}: $1" >&2
-    echo "usage: ${SCRIPT_NAME} [--cpu] [--nproc N] [--dry-run] {train|sft|rl} CONFIG.yaml [section.key=value ...]" >&2
+    echo "usage: ${SCRIPT_NAME} [--cpu] [--nproc N] [--dry-run] {train|sft|rl} CONFIG.yaml [MORE.yaml ...] [section.key=value ...]" >&2
     echo "       (run '${SCRIPT_NAME} --help' for the environment variables it reads)" >&2
     exit 2
 }
@@ -62,14 +62,22 @@ parse_launch_args() {
         esac
     done
     [[ $# -ge 2 ]] || usage_error "need a subcommand and a config file"
-    local subcommand="$1" config="$2"
-    shift 2
+    local subcommand="$1"
+    shift
     local known=0 name
     for name in "${SUBCOMMANDS[@]}"; do
         [[ "${subcommand}" == "${name}" ]] && known=1
     done
     [[ ${known} -eq 1 ]] || usage_error "subcommand '${subcommand}' is not valid; use one of: ${SUBCOMMANDS[*]}"
-    [[ -f "${config}" ]] || usage_error "config file '${config}' does not exist"
+    # One or more config files (later ones override earlier ones, e.g. a preset then a
+    # converted model's model.yaml), then the overrides.
+    local -a configs=()
+    while [[ $# -gt 0 && "$1" != *=* ]]; do
+        [[ -f "$1" ]] || usage_error "config file '$1' does not exist"
+        configs+=("$1")
+        shift
+    done
+    [[ ${#configs[@]} -ge 1 ]] || usage_error "need a config file before the overrides"
     local override
     for override in "$@"; do
         [[ "${override}" == *.*=* ]] || usage_error "override '${override}' must look like section.key=value"
@@ -93,7 +101,7 @@ parse_launch_args() {
     command -v "${PYTHON_BIN}" > /dev/null 2>&1 || usage_error "interpreter '${PYTHON_BIN}' not found; set PYTHON to the Python that has megatron_logra installed"
 
     ENV_PREFIX=()
-    TRAINER_ARGS=(-m megatron_logra "${subcommand}" "${config}" "$@")
+    TRAINER_ARGS=(-m megatron_logra "${subcommand}" "${configs[@]}" "$@")
     if [[ ${USE_CPU} -eq 1 ]]; then
         # Share the cores among the processes unless the caller chose a thread count: torch
         # otherwise starts one thread per core in every process and they fight for the CPUs.

@@ -11,9 +11,9 @@ DEFAULT_MASTER_PORT=29500
 
 print_help() {
     cat << 'EOF'
-usage: torchrun_multi_node.sh [--cpu] [--nproc N] [--dry-run] {train|sft|rl} CONFIG.yaml [section.key=value ...]
+usage: torchrun_multi_node.sh [--cpu] [--nproc N] [--dry-run] {train|sft|rl} CONFIG.yaml [MORE.yaml ...] [section.key=value ...]
 
-Runs `python -m megatron_logra SUBCOMMAND CONFIG OVERRIDES...` under torchrun on this node as
+Runs `python -m megatron_logra SUBCOMMAND CONFIG [MORE.yaml ...] OVERRIDES...` under torchrun on this node as
 one of NNODES nodes. Start one copy per node. Prints the torchrun command before running it.
 
 options:

@@ -9,9 +9,9 @@ SCRIPT_NAME="$(basename "$0")"
 
 print_help() {
     cat << 'EOF'
-usage: torchrun_single_node.sh [--cpu] [--nproc N] [--dry-run] {train|sft|rl} CONFIG.yaml [section.key=value ...]
+usage: torchrun_single_node.sh [--cpu] [--nproc N] [--dry-run] {train|sft|rl} CONFIG.yaml [MORE.yaml ...] [section.key=value ...]
 
-Runs `python -m megatron_logra SUBCOMMAND CONFIG OVERRIDES...` under torchrun on this node.
+Runs `python -m megatron_logra SUBCOMMAND CONFIG [MORE.yaml ...] OVERRIDES...` under torchrun on this node.
 
 options:
   --cpu        CPU over gloo: hides GPUs (CUDA_VISIBLE_DEVICES=), shares the cores among the

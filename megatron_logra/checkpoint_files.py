@@ -24,6 +24,8 @@ from pathlib import Path
 
 from megatron_logra.atomic_write import fsync_directory
 
+# Every complete checkpoint holds it (each file's size and SHA-256), written last.
+MANIFEST = "manifest.json"
 STAGING_PREFIX = ".staging-"
 RETIRED = "retired-"
 _TOKEN_HEX = 8

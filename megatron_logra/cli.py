@@ -1,12 +1,15 @@
-"""Command line: ``megatron-logra {train,sft,rl} CONFIG.yaml [section.key=value ...]``, and
-``megatron-logra check --world-size N {train,sft,rl} CONFIG.yaml ...`` (validation only).
+"""Command line: ``megatron-logra {train,sft,rl} CONFIG.yaml [MORE.yaml ...] [section.key=value
+...]``, and ``megatron-logra check --world-size N {train,sft,rl} CONFIG.yaml ...`` (validation
+only). Several config files are laid over each other key by key, later files winning (a preset,
+then the ``model.yaml`` of ``tools/convert_hf.py``); the overrides come last.
 
 Launch several processes with torchrun::
 
     torchrun --nproc_per_node=2 -m megatron_logra train configs/demo_cpu.yaml parallel.tp=2
 
 The configuration is loaded, overridden and validated against the world size before any process
-group is created, so a bad value fails in a second with a message naming the field.
+group is created, and the files it names (data, tokenizer, checkpoint) are checked, so a bad value
+fails in seconds with a message naming the field.
 """
 
 from __future__ import annotations
@@ -35,14 +38,41 @@ def _configure_logging() -> None:
         warnings.filterwarnings("ignore", message=pattern)
 
 
-def _checked_config(command: str, config: str, overrides: list[str], world_size: int):
-    """The resolved config of a ``command`` run at ``world_size``, and for ``rl`` the separate
+def _split_arguments(arguments: list[str]) -> tuple[list[str], list[str]]:
+    """``CONFIG.yaml [MORE.yaml ...] [section.key=value ...]`` -> (files, overrides)."""
+    files = []
+    for index, argument in enumerate(arguments):
+        if "=" in argument:
+            overrides = arguments[index:]
+            stray = [a for a in overrides if "=" not in a]
+            if stray:
+                raise ValueError(f"{stray[0]!r} follows an override; config files come first, "
+                                 "then section.key=value overrides")
+            break
+        files.append(argument)
+    else:
+        overrides = []
+    if not files:
+        raise ValueError("no config file given; the first argument after the command is a YAML "
+                         "config file")
+    return files, overrides
+
+
+def _checked_config(command: str, arguments: list[str], world_size: int):
+    """The resolved config of a ``command`` run at ``world_size``, the files it reads (data,
+    tokenizer, checkpoint; prompts that fit model.seq_length) and for ``rl`` the separate
     engine's installation checked: ValueError naming the field, the value and the fix."""
-    cfg = load_config(config, overrides, command=command).resolved(world_size, command)
+    files, overrides = _split_arguments(arguments)
+    cfg = load_config(files, overrides, command=command).resolved(world_size, command)
     if command == "rl":
         from megatron_logra.rollout.factory import check_engine_setup
 
         check_engine_setup(cfg)  # a vLLM venv that cannot run, before any rank builds
+    from megatron_logra.data.run_inputs import check_run_inputs
+
+    for note in check_run_inputs(cfg, command):
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            print(f"megatron-logra: note: {note}", file=sys.stderr)
     return cfg
 
 
@@ -56,7 +86,7 @@ def _configuration_error(error: ValueError) -> int:
 def _check(args: argparse.Namespace) -> int:
     """What the launch scripts run before torchrun starts any rank."""
     try:
-        _checked_config(args.run_command, args.config, args.overrides, args.world_size)
+        _checked_config(args.run_command, args.arguments, args.world_size)
     except ValueError as error:
         return _configuration_error(error)
     return 0
@@ -66,7 +96,7 @@ def _train(args: argparse.Namespace) -> int:
     try:
         # The world torchrun announces (1 for a plain launch). Read here, not through the
         # process-group module: a refusal must not wait for Megatron to import.
-        cfg = _checked_config(args.command, args.config, args.overrides,
+        cfg = _checked_config(args.command, args.arguments,
                               int(os.environ.get("WORLD_SIZE", "1")))
     except ValueError as error:
         return _configuration_error(error)
@@ -87,34 +117,36 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+ARGUMENTS_HELP = ("YAML config files (later ones override earlier ones key by key, e.g. a preset "
+                  "then a converted model's model.yaml), then section.key=value overrides")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megatron-logra", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     train_parser = commands.add_parser("train", help="supervised training (dense or LoGRA)")
-    train_parser.add_argument("config", help="YAML config file")
-    train_parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    train_parser.add_argument("arguments", nargs="+", metavar="ARG", help=ARGUMENTS_HELP)
     train_parser.set_defaults(handler=_train)
     sft_parser = commands.add_parser(
         "sft", help="supervised warm start on prompt/answer data; writes <run.dir>/model"
     )
-    sft_parser.add_argument("config", help="YAML config file")
-    sft_parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    sft_parser.add_argument("arguments", nargs="+", metavar="ARG", help=ARGUMENTS_HELP)
     sft_parser.set_defaults(handler=_train)
     rl_parser = commands.add_parser(
-        "rl", help="RL post-training (paper REINFORCE or GRPO) with LoGRA or a dense optimizer"
+        "rl", help="RL post-training (paper REINFORCE or GRPO) with LoGRA or a dense optimizer; "
+        "writes <run.dir>/model"
     )
-    rl_parser.add_argument("config", help="YAML config file")
-    rl_parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    rl_parser.add_argument("arguments", nargs="+", metavar="ARG", help=ARGUMENTS_HELP)
     rl_parser.set_defaults(handler=_train)
     check_parser = commands.add_parser(
-        "check", help="validate a run's configuration (and a vLLM engine's venv) for a world "
-        "size without starting it: exit 0, or 2 with the error"
+        "check", help="validate a run's configuration for a world size, and what it reads "
+        "(data files, tokenizer, checkpoint, prompt lengths; a vLLM engine's venv), without "
+        "starting it: exit 0, or 2 with the error"
     )
     check_parser.add_argument("--world-size", type=int, required=True,
                               help="processes the run will have (nodes x processes per node)")
     check_parser.add_argument("run_command", choices=("train", "sft", "rl"))
-    check_parser.add_argument("config", help="YAML config file")
-    check_parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    check_parser.add_argument("arguments", nargs="+", metavar="ARG", help=ARGUMENTS_HELP)
     check_parser.set_defaults(handler=_check)
     args = parser.parse_args(argv)
     _configure_logging()

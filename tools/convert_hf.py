@@ -7,22 +7,27 @@
                                [--max-shard-bytes N]
 
 ``to-megatron`` writes OUT_DIR/model (a model-only checkpoint that loads at any TP/PP layout),
-OUT_DIR/model.yaml (the derived ``model:`` section; its init_checkpoint points at OUT_DIR/model),
-OUT_DIR/tokenizer (the tokenizer files) and OUT_DIR/hf_source.json (what ``to-hf`` needs to
-write the original files back). ``parallel.tp`` / ``parallel.pp`` choose the layout the
+OUT_DIR/model.yaml (the ``model:`` section the checkpoint dictates; its init_checkpoint points at
+OUT_DIR/model), OUT_DIR/tokenizer (the tokenizer files and the model's generation_config.json)
+and OUT_DIR/hf_source.json (what ``to-hf`` needs to write the original files back). ``parallel.tp`` / ``parallel.pp`` choose the layout the
 checkpoint is written at (each rank reads only the tensors of its own stage); with tp * pp > 1
 the tool starts itself under torchrun with tp * pp CPU processes. The parameters keep the Hugging
 Face dtype (bf16 stays bf16; fp16 becomes fp32, which holds it exactly); training must use the
 same model.params_dtype, or convert with the override.
 
-``to-hf`` reads a converted directory, or any checkpoint directory (model-only or a training
-checkpoint's iter_NNNNNNN), and writes config.json, safetensors and the tokenizer files that
-``transformers`` loads. For a plain checkpoint, ``--hf-config`` names the config.json (or a
-directory holding it) to write; without it a Qwen2 or Llama config.json is derived.
+``to-hf`` reads a converted directory, or any checkpoint directory (model-only, e.g. an sft or
+rl run's <run.dir>/model, or a training checkpoint's iter_NNNNNNN), and writes config.json,
+generation_config.json, safetensors and the tokenizer files that ``transformers`` loads. A
+trained run's checkpoint takes config.json (positions, EOS) and the generation config from the
+converted directory its chain of ``model.init_checkpoint`` started from, and the tokenizer the
+run encoded its data with (``data.tokenizer``); with neither, ``--hf-config`` names the
+config.json (or a directory holding it) to write, else a Qwen2 or Llama config.json is derived
+(EOS and the generation config's stop tokens from the run's tokenizer).
 
-A run starts from a converted model with OUT_DIR/model.yaml as its ``model:`` section (its
-init_checkpoint is OUT_DIR/model and its vocab_size the checkpoint's embedding rows), at any
-layout; ``data.tokenizer=OUT_DIR/tokenizer`` encodes the prompt data with the model's tokenizer.
+A run starts from a converted model with OUT_DIR/model.yaml after its preset (``megatron-logra rl
+configs/PRESET.yaml OUT_DIR/model.yaml ...``: the architecture, init_checkpoint and vocab_size
+come from it, the run's seq_length, attention and recompute from the preset), at any layout;
+``data.tokenizer=OUT_DIR/tokenizer`` encodes the prompt data with the model's tokenizer.
 """
 
 from __future__ import annotations
@@ -48,6 +53,10 @@ ALLOWED_OVERRIDES = (
     "parallel.tp", "parallel.pp", "model.seq_length", "model.params_dtype",
     "model.make_vocab_size_divisible_by",
 )
+# Model settings a run chooses, not the checkpoint: left out of model.yaml (unless given as an
+# override here), so that a preset before it keeps its own.
+RUN_MODEL_FIELDS = ("seq_length", "attention", "recompute", "recompute_method",
+                    "recompute_num_layers", "init_method_std", "moe_token_dispatcher")
 
 
 def _refuse_non_empty(out_dir: Path) -> None:
@@ -122,10 +131,12 @@ def to_megatron(hf_dir: Path, out_dir: Path, overrides: list[str]) -> int:
                    "to-megatron", str(hf_dir), str(out_dir), *overrides]
         print("convert_hf: running " + " ".join(command), flush=True)
         return subprocess.run(command, check=False).returncode
-    return _to_megatron_ranks(cfg, arch, hf_dir, out_dir)
+    overridden = {key for section, key, _ in _parse_overrides(overrides) if section == "model"}
+    return _to_megatron_ranks(cfg, arch, hf_dir, out_dir, overridden)
 
 
-def _to_megatron_ranks(cfg: Any, arch: Any, hf_dir: Path, out_dir: Path) -> int:
+def _to_megatron_ranks(cfg: Any, arch: Any, hf_dir: Path, out_dir: Path,
+                       overridden: set[str]) -> int:
     from megatron_logra.mcore.checkpointing.checkpoint import save_model_checkpoint
     from megatron_logra.mcore.conversion import (
         CHECKPOINT_NAME,
@@ -155,11 +166,12 @@ def _to_megatron_ranks(cfg: Any, arch: Any, hf_dir: Path, out_dir: Path) -> int:
     finally:
         destroy_parallel()
     if int(os.environ.get("RANK", "0")) == 0:
-        _write_side_files(hf_dir, out_dir, arch, resolved, hf_dtype)
+        _write_side_files(hf_dir, out_dir, arch, resolved, hf_dtype, overridden)
     return 0
 
 
-def _write_side_files(hf_dir: Path, out_dir: Path, arch: Any, resolved: Any, hf_dtype: Any) -> None:
+def _write_side_files(hf_dir: Path, out_dir: Path, arch: Any, resolved: Any, hf_dtype: Any,
+                      overridden: set[str]) -> None:
     """Next to the checkpoint: the model section to run it with, what the Hugging Face source
     was (for the way back), and the tokenizer."""
     import yaml
@@ -174,16 +186,19 @@ def _write_side_files(hf_dir: Path, out_dir: Path, arch: Any, resolved: Any, hf_
         TOKENIZER_FILES,
     )
 
-    model_section = dataclasses.asdict(resolved.model)
+    model_section = {key: value for key, value in dataclasses.asdict(resolved.model).items()
+                     if key not in RUN_MODEL_FIELDS or key in overridden}
     # The checkpoint's embedding rows, which may exceed the tokenizer's ids: a run with this
     # model section builds the same padded embedding whatever tokenizer it encodes text with.
     model_section["vocab_size"] = arch.vocab_size
     header = (
         f"# Converted from {hf_dir.name} ({arch.model_type}); Hugging Face vocabulary "
         f"{arch.vocab_size} rows.\n"
-        "# Use as the model section of a run config; init_checkpoint loads the converted "
-        "weights at any layout.\n"
-        f"# Encode prompt data with the model's own tokenizer: data.tokenizer={out_dir / TOKENIZER_DIR}\n"
+        "# The model section this checkpoint dictates (init_checkpoint loads it at any layout); "
+        "give it after a preset,\n"
+        f"# which keeps its {', '.join(sorted(RUN_MODEL_FIELDS))}:\n"
+        f"#   megatron-logra rl configs/PRESET.yaml {out_dir / MODEL_YAML} "
+        f"data.tokenizer={out_dir / TOKENIZER_DIR} data.dir=...\n"
     )
     (out_dir / MODEL_YAML).write_text(
         header + yaml.safe_dump({"model": model_section}, sort_keys=False)
@@ -198,13 +213,17 @@ def _write_side_files(hf_dir: Path, out_dir: Path, arch: Any, resolved: Any, hf_
     copied = [name for name in TOKENIZER_FILES if (hf_dir / name).is_file()]
     if copied:
         (out_dir / TOKENIZER_DIR).mkdir()
-        for name in copied:
+        # The generation config beside the tokenizer: its eos_token_id list (Qwen's <|im_end|>
+        # and <|endoftext|>) is where the model's generations stop (data.tokenizer reads it).
+        for name in [*copied, *([HF_GENERATION_CONFIG_FILE] if generation.is_file() else [])]:
             shutil.copy2(hf_dir / name, out_dir / TOKENIZER_DIR / name)
     else:
         print(f"convert_hf: warning: {hf_dir} holds no tokenizer files; none copied",
               file=sys.stderr)
     print(f"convert_hf: wrote {out_dir / CHECKPOINT_NAME} (tp={resolved.parallel.tp}, "
-          f"pp={resolved.parallel.pp}, {resolved.model.params_dtype}), {out_dir / MODEL_YAML}")
+          f"pp={resolved.parallel.pp}, {resolved.model.params_dtype}), {out_dir / MODEL_YAML}; "
+          f"run it with: megatron-logra rl configs/PRESET.yaml {out_dir / MODEL_YAML} "
+          f"data.tokenizer={out_dir / TOKENIZER_DIR} data.dir=DATA_DIR")
 
 
 def _check_tokenizer_fits(directory: Path, vocab_size: int) -> None:
@@ -228,6 +247,50 @@ def _checkpoint_and_root(megatron_dir: Path) -> tuple[Path, Path | None]:
         return megatron_dir / CHECKPOINT_NAME, megatron_dir
     raise ValueError(f"{str(megatron_dir)!r} is neither a checkpoint directory nor a directory "
                      "written by to-megatron")
+
+
+def _converted_root(checkpoint: Path, common: dict[str, Any]) -> Path | None:
+    """The to-megatron directory a checkpoint descends from: model.init_checkpoint of the run
+    that wrote it, of that checkpoint's run, ... up to the one whose parent holds
+    hf_source.json (None when the chain ends elsewhere or a link is gone)."""
+    from megatron_logra.mcore.conversion import HF_SOURCE_FILE, read_common_state
+
+    seen: set[Path] = {checkpoint.resolve()}
+    init = common["config"]["model"].get("init_checkpoint")
+    while init:
+        path = Path(init).resolve()
+        # A converted checkpoint names itself (the conversion's own config): no run descends
+        # from anything there.
+        if path in seen or not (path / "metadata.json").is_file():
+            return None
+        seen.add(path)
+        if (path.parent / HF_SOURCE_FILE).is_file():
+            return path.parent
+        init = read_common_state(path)["config"]["model"].get("init_checkpoint")
+    return None
+
+
+def _tokenizer_dir(root: Path | None, common: dict[str, Any]) -> Path | None:
+    """The tokenizer the run encoded its data with (data.tokenizer), else the conversion's."""
+    from megatron_logra.mcore.conversion import TOKENIZER_DIR
+
+    used = common["config"].get("data", {}).get("tokenizer")
+    if used and Path(used).is_dir():
+        return Path(used)
+    if root is not None and (root / TOKENIZER_DIR).is_dir():
+        return root / TOKENIZER_DIR
+    return None
+
+
+def _stop_ids(tokenizer_dir: Path, common: dict[str, Any]) -> list[int]:
+    """The stop tokens the run generated with (EOS, generation config, the chat template's end
+    of turn when data.prompt.chat_template was on)."""
+    from megatron_logra.config import PromptConfig
+    from megatron_logra.data.hf_tokenizer import HFTokenizer
+    from megatron_logra.data.prompt_builder import PromptBuilder
+
+    prompt = common["config"].get("data", {}).get("prompt") or {}
+    return list(PromptBuilder(HFTokenizer(tokenizer_dir), PromptConfig(**prompt)).stop_ids)
 
 
 def _source(
@@ -272,7 +335,8 @@ def to_hf(megatron_dir: Path, out_dir: Path, hf_config: Path | None, max_shard_b
     from megatron_logra.mcore.conversion import (
         HF_CONFIG_FILE,
         HF_GENERATION_CONFIG_FILE,
-        TOKENIZER_DIR,
+        HF_SOURCE_FILE,
+        TOKENIZER_FILES,
         architecture_from_hf_config,
         check_model_config_matches,
         checkpoint_full_weights,
@@ -291,9 +355,26 @@ def to_hf(megatron_dir: Path, out_dir: Path, hf_config: Path | None, max_shard_b
         common = read_common_state(checkpoint)
         model = config_from_dict({"model": common["config"]["model"]}).model
         weights = checkpoint_full_weights(checkpoint, model)
+        if root is None or not (root / HF_SOURCE_FILE).is_file():
+            # A trained run's model: its config.json, generation config and positions are
+            # those of the Hugging Face model its chain of init_checkpoints started from.
+            root = _converted_root(checkpoint, common) or root
     finally:
         destroy_parallel()
     source = _source(root, hf_config, model, weights)
+    derived = hf_config is None and (root is None or not (root / HF_SOURCE_FILE).is_file())
+    tokenizer_dir = _tokenizer_dir(root, common)
+    if tokenizer_dir is not None:
+        if derived:
+            # No source config to keep: EOS and the generation config's stop tokens are the
+            # ones the run generated with.
+            stops = _stop_ids(tokenizer_dir, common)
+            source["config"]["eos_token_id"] = stops[0] if len(stops) == 1 else stops
+            source["generation_config"] = {"eos_token_id": source["config"]["eos_token_id"]}
+    else:
+        print("convert_hf: warning: no tokenizer found (neither the run's data.tokenizer nor a "
+              "converted directory's tokenizer/); the output has no tokenizer files and no EOS",
+              file=sys.stderr)
     arch = architecture_from_hf_config(source["config"])
     check_model_config_matches(model, arch)
     tensors = {name: tensor.to(source["dtype"])
@@ -306,9 +387,10 @@ def to_hf(megatron_dir: Path, out_dir: Path, hf_config: Path | None, max_shard_b
         if source["generation_config"] is not None:
             (staging / HF_GENERATION_CONFIG_FILE).write_text(
                 json.dumps(source["generation_config"], indent=2) + "\n")
-        if root is not None and (root / TOKENIZER_DIR).is_dir():
-            for path in sorted((root / TOKENIZER_DIR).iterdir()):
-                shutil.copy2(path, staging / path.name)
+        if tokenizer_dir is not None:
+            for name in TOKENIZER_FILES:
+                if (tokenizer_dir / name).is_file():
+                    shutil.copy2(tokenizer_dir / name, staging / name)
         staging.chmod(0o755)
         if out_dir.exists():
             out_dir.rmdir()  # empty: checked above

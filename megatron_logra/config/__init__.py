@@ -11,10 +11,17 @@ here imports torch.
 Sections: ``model`` and ``parallel`` (config/model.py); ``optimizer``, ``logra`` with
 ``logra.kl_control``, ``lora`` (config/optim.py); ``rl`` with ``sampling``, ``loss``,
 ``advantages``, ``reward`` (and ``reward.math_verify``), ``eval`` (config/rl.py); ``rollout`` and ``sync`` (config/rollout.py); ``train``,
-``data``, ``run``, ``checkpoint`` (config/run.py). The names of every choice (targets, direction
+``run``, ``checkpoint`` (config/run.py); ``data`` with ``data.prompt`` (config/data.py). The names of every choice (targets, direction
 rules, distributions, rewards, ...) are declared here once; the implementing modules map them.
 """
 
+from megatron_logra.config.data import (
+    DATA_FORMATS,
+    PROBLEM_FILE_SUFFIXES,
+    SPLIT_CANDIDATES,
+    DataConfig,
+    PromptConfig,
+)
 from megatron_logra.config.loader import check_key, config_from_dict, load_config, parse_override
 from megatron_logra.config.model import (
     ACTIVATIONS,
@@ -70,13 +77,7 @@ from megatron_logra.config.rollout import (
     SyncConfig,
 )
 from megatron_logra.config.root import COMMAND_DEFAULTS, COMMANDS, Config
-from megatron_logra.config.run import (
-    DATA_FORMATS,
-    CheckpointConfig,
-    DataConfig,
-    RunConfig,
-    TrainConfig,
-)
+from megatron_logra.config.run import CheckpointConfig, RunConfig, TrainConfig
 
 __all__ = [
     "ACTIVATIONS", "ATTENTIONS", "COMMANDS", "COMMAND_DEFAULTS", "DATA_FORMATS", "DEVICES",
@@ -88,7 +89,7 @@ __all__ = [
     "AdvantagesConfig", "CheckpointConfig", "Config", "DataConfig", "EvalConfig",
     "GrpoLossConfig", "KLControlConfig", "LoGRAConfig", "LoRAConfig", "LossConfig",
     "MathVerifyConfig", "ModelConfig", "OptimizerConfig", "PaperAdvantageConfig",
-    "PaperLossConfig", "ParallelConfig", "RLConfig", "RewardConfig", "RolloutConfig", "RunConfig", "SyncConfig",
-    "SamplingConfig", "TrainConfig", "check_key", "config_from_dict", "load_config",
+    "PaperLossConfig", "ParallelConfig", "PROBLEM_FILE_SUFFIXES", "PromptConfig", "RLConfig", "RewardConfig", "RolloutConfig", "RunConfig", "SyncConfig",
+    "SamplingConfig", "SPLIT_CANDIDATES", "TrainConfig", "check_key", "config_from_dict", "load_config",
     "parse_override",
 ]

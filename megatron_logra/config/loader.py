@@ -75,10 +75,17 @@ def _not_a_mapping(dotted: str, value: Any) -> ValueError:
     return ValueError(f"config section {dotted!r} must be a mapping, got {value!r}{hint}")
 
 
+def _is_mapping(annotation: Any) -> bool:
+    return typing.get_origin(annotation) is dict
+
+
 def check_key(parts: tuple[str, ...]) -> Any:
-    """The annotation of the field at dotted path ``parts``; ValueError naming it if unknown."""
+    """The annotation of the field at dotted path ``parts``; ValueError naming it if unknown.
+    A mapping-valued field takes one more part, its entry (``data.prompt.template_kwargs.x``)."""
     cls: Any = Config
     for depth, part in enumerate(parts):
+        if _is_mapping(cls) and depth == len(parts) - 1:
+            return typing.get_args(cls)[1]
         if not _is_section(cls):
             raise ValueError(
                 f"config key {'.'.join(parts[:depth])} is a value, not a section (in "
@@ -137,6 +144,16 @@ def _coerce(path: str, value: Any, annotation: Any) -> Any:
             items = {int: "integers", float: "numbers", str: "strings"}.get(item_type, "values")
             raise ValueError(f"{path}={value!r} must be a list of {items}")
         return [_coerce(f"{path}[{i}]", item, item_type) for i, item in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"{path}={value!r} must be a mapping, e.g. {{name: value}}")
+        out = {}
+        for key, item in value.items():
+            if not isinstance(key, str) or not isinstance(item, (bool, int, float, str)):
+                raise ValueError(f"{path}.{key}={item!r}: a mapping's keys must be names and "
+                                 "its values true/false, numbers or strings")
+            out[key] = item
+        return out
     if annotation is bool:
         if isinstance(value, bool):
             return value
@@ -214,29 +231,46 @@ def _set(data: dict[str, Any], parts: tuple[str, ...], value: Any) -> None:
     node[parts[-1]] = value
 
 
+def _read_file(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ValueError(f"config file {str(path)!r} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise ValueError(
+            f"config file {str(path)!r} is not valid YAML: {_yaml_problem(error)}"
+        ) from None
+    except UnicodeDecodeError as error:
+        raise ValueError(f"config file {str(path)!r} is not UTF-8 text ({error})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {str(path)!r} must hold a mapping of sections")
+    return data
+
+
+def _merge(base: dict[str, Any], layer: dict[str, Any]) -> dict[str, Any]:
+    """``layer`` over ``base``, key by key through nested sections (a later file wins)."""
+    merged = dict(base)
+    for key, value in layer.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
 def load_config(
-    path: str | Path | None,
+    path: str | Path | list[str | Path] | tuple[str | Path, ...] | None,
     overrides: list[str] | tuple[str, ...] = (),
     *,
     command: str = "train",
 ) -> Config:
-    """Read a YAML file (or start from defaults), apply ``command``'s defaults and then the
-    overrides (later ones win), validate."""
+    """Read a YAML file, or several laid over each other key by key (a preset, then the
+    ``model.yaml`` of ``tools/convert_hf.py``: later files win), or start from defaults; apply
+    ``command``'s defaults and then the overrides (later ones win), validate."""
+    paths = [] if path is None else [path] if isinstance(path, (str, Path)) else list(path)
     data: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ValueError(f"config file {str(path)!r} does not exist")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as error:
-            raise ValueError(
-                f"config file {str(path)!r} is not valid YAML: {_yaml_problem(error)}"
-            ) from None
-        except UnicodeDecodeError as error:
-            raise ValueError(f"config file {str(path)!r} is not UTF-8 text ({error})") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"config file {str(path)!r} must hold a mapping of sections")
+    for item in paths:
+        data = _merge(data, _read_file(Path(item)))
     if command not in COMMAND_DEFAULTS:
         raise ValueError(f"command {command!r} is not one of {sorted(COMMAND_DEFAULTS)}")
     for text in (*COMMAND_DEFAULTS[command], *overrides):

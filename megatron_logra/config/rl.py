@@ -233,6 +233,9 @@ class RLConfig:
     batch. Above 1 the GRPO ratio is taken against the trainer's log-probs before the first
     update, so ``rl.loss.grpo.clip_low`` / ``clip_high`` act from the second update on (with one
     update the ratio is exactly 1). Needs ``rl.loss.name=grpo``."""
+    logged_rollouts: int = 4
+    """Responses of each step written to ``<run.dir>/rollouts.jsonl`` (the prompt as the model
+    saw it, its ids, the response, reward, whether it ended with a stop token); 0: none."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     advantages: AdvantagesConfig = field(default_factory=AdvantagesConfig)
@@ -248,6 +251,7 @@ class RLConfig:
         check_positive(f"{path}.samples_per_prompt", self.samples_per_prompt)
         check_positive(f"{path}.seed", self.seed, allow_zero=True)
         check_positive(f"{path}.updates_per_rollout", self.updates_per_rollout)
+        check_positive(f"{path}.logged_rollouts", self.logged_rollouts, allow_zero=True)
         if self.updates_per_rollout > 1 and self.loss.name != "grpo":
             raise ValueError(
                 f"{path}.updates_per_rollout={self.updates_per_rollout} takes several steps on "

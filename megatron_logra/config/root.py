@@ -7,6 +7,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron_logra.config.context_parallel import check_cp_run
+from megatron_logra.config.data import DataConfig
 from megatron_logra.config.model import ModelConfig, ParallelConfig
 from megatron_logra.config.moe import check_moe_run
 from megatron_logra.config.optim import (
@@ -17,16 +19,17 @@ from megatron_logra.config.optim import (
 )
 from megatron_logra.config.rl import RLConfig
 from megatron_logra.config.rollout import RolloutConfig, SyncConfig
-from megatron_logra.config.run import CheckpointConfig, DataConfig, RunConfig, TrainConfig
+from megatron_logra.config.run import CheckpointConfig, RunConfig, TrainConfig
 
 COMMANDS: tuple[str, ...] = ("train", "sft", "rl")
 # What `sft` and `rl` mean on top of the YAML file (below the user's own overrides): prompt ->
-# answer data, and for sft the final weights written as a model-only checkpoint
-# (<run.dir>/model) for an RL run's model.init_checkpoint.
+# answer data, and the final weights written as a model-only checkpoint (<run.dir>/model): an
+# RL run's model.init_checkpoint after sft, the trained policy after rl (tools/convert_hf.py
+# to-hf turns it into a Hugging Face directory).
 COMMAND_DEFAULTS: dict[str, tuple[str, ...]] = {
     "train": (),
     "sft": ("data.format=prompts", "run.save_model=true"),
-    "rl": ("data.format=prompts",),
+    "rl": ("data.format=prompts", "run.save_model=true"),
 }
 # A supervised run samples nothing: its KL probe measures the policy at temperature 1.
 SUPERVISED_KL_TEMPERATURE = 1.0
@@ -71,12 +74,7 @@ class Config:
         self._check_low_rank_widths()
         self._check_rollout_and_sync()
         check_moe_run(self)
-        if self.rl.sampling.max_new_tokens >= m.seq_length:
-            raise ValueError(
-                f"rl.sampling.max_new_tokens={self.rl.sampling.max_new_tokens} leaves no room for "
-                f"a prompt in model.seq_length={m.seq_length}; lower it or raise "
-                "model.seq_length"
-            )
+        check_cp_run(self)
         if self.logra.kl_control.enabled and self.optimizer.name != "logra":
             raise ValueError(
                 "logra.kl_control.enabled=true controls LoGRA updates; it needs "
@@ -208,17 +206,19 @@ class Config:
             raise ValueError(f"command {command!r} is not one of {list(COMMANDS)}")
         cfg = self._derive_for_rl() if command == "rl" else self._derive_for_supervised()
         p, t = cfg.parallel, cfg.train
-        model_parallel = p.tp * p.pp
+        # A data-parallel replica: tp * cp * pp ranks (CP ranks hold the same sequences).
+        model_parallel = p.tp * p.cp * p.pp
         if world_size % model_parallel:
             raise ValueError(
-                f"world size {world_size} is not divisible by parallel.tp * parallel.pp = "
-                f"{model_parallel}; launch a multiple of {model_parallel} processes"
+                f"world size {world_size} is not divisible by parallel.tp * parallel.cp * "
+                f"parallel.pp = {model_parallel}; launch a multiple of {model_parallel} processes"
             )
         dp = world_size // model_parallel
         if p.dp is not None and p.dp != dp:
             raise ValueError(
-                f"parallel.dp={p.dp} but world size {world_size} with tp={p.tp}, pp={p.pp} "
-                f"gives dp={dp}; drop parallel.dp or launch {p.dp * model_parallel} processes"
+                f"parallel.dp={p.dp} but world size {world_size} with tp={p.tp}, cp={p.cp}, "
+                f"pp={p.pp} gives dp={dp}; drop parallel.dp or launch {p.dp * model_parallel} "
+                "processes"
             )
         if t.global_batch_size % (t.micro_batch_size * dp):
             raise ValueError(
@@ -256,6 +256,14 @@ class Config:
         """RL's training batch is the step's rollouts, and its policy's temperature is the
         sampling temperature: both are derived here, once."""
         r, kl = self.rl, self.logra.kl_control
+        # rl's own: a preset's rl section rides along in its train / sft runs, whose sequences
+        # may be shorter.
+        if r.sampling.max_new_tokens >= self.model.seq_length:
+            raise ValueError(
+                f"rl.sampling.max_new_tokens={r.sampling.max_new_tokens} leaves no room for a "
+                f"prompt in model.seq_length={self.model.seq_length}; lower it or raise "
+                "model.seq_length"
+            )
         if self.parallel.vpp is not None:
             raise ValueError(
                 f"parallel.vpp={self.parallel.vpp}: the rollout engine runs one model chunk per "

@@ -1,5 +1,5 @@
-"""The ``train``, ``data``, ``run`` and ``checkpoint`` sections: the step count and batch, the
-data, where results go, and checkpointing."""
+"""The ``train``, ``run`` and ``checkpoint`` sections: the step count and batch, where results go,
+and checkpointing (the ``data`` section is config/data.py's)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 from megatron_logra.config.checks import check_choice, check_positive
 
-DATA_FORMATS: tuple[str, ...] = ("corpus", "prompts")
 WANDB_MODES: tuple[str, ...] = ("off", "offline", "online")
 
 
@@ -29,36 +28,6 @@ class TrainConfig:
             check_positive(f"{path}.{name}", getattr(self, name))
         check_positive(f"{path}.seed", self.seed, allow_zero=True)
         check_positive(f"{path}.exit_interval", self.exit_interval, allow_zero=True)
-
-
-@dataclass(frozen=True, kw_only=True)
-class DataConfig:
-    dir: str = ".data/synthetic"
-    """A directory made by ``tools/make_synthetic_data.py``: tokens.npy (corpus), train.jsonl /
-    eval.jsonl (prompts and answers) and tokenizer.model."""
-    format: str = "corpus"
-    """``corpus``: language modelling on tokens.npy; ``prompts``: supervised prompt -> answer
-    training on train.jsonl (the loss on the answer and EOS only)."""
-    tokenizer: str | None = None
-    """A local Hugging Face tokenizer directory (e.g. the ``tokenizer/`` that
-    ``tools/convert_hf.py to-megatron`` writes) to encode train.jsonl / eval.jsonl with, in place
-    of data.dir's tokenizer.model. Prompt data only: the corpus of ``format: corpus`` is stored
-    already tokenized."""
-
-    def validate(self, path: str = "data") -> None:
-        if not self.dir:
-            raise ValueError(f"{path}.dir is empty; point it at a directory made by "
-                             "tools/make_synthetic_data.py")
-        check_choice(f"{path}.format", self.format, DATA_FORMATS)
-        if self.tokenizer is not None and not self.tokenizer:
-            raise ValueError(f"{path}.tokenizer is empty; point it at a Hugging Face tokenizer "
-                             f"directory or leave it unset to use {path}.dir's tokenizer.model")
-        if self.tokenizer is not None and self.format != "prompts":
-            raise ValueError(
-                f"{path}.tokenizer={self.tokenizer!r} needs {path}.format=prompts (got "
-                f"{self.format!r}): the corpus is stored already tokenized by {path}.dir's "
-                f"tokenizer; drop {path}.tokenizer or train on prompt data"
-            )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -8,8 +8,14 @@ directory must already hold the tokenizer files (``tokenizer.json``, ``tokenizer
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
+
+# Beside the tokenizer files (tools/convert_hf.py copies the model's there): its eos_token_id,
+# one id or a list, is where the model's generation ends (Qwen: <|im_end|> and <|endoftext|>).
+GENERATION_CONFIG_FILE = "generation_config.json"
 
 
 class HFTokenizer:
@@ -56,6 +62,36 @@ class HFTokenizer:
     def pad_id(self) -> int:
         pad = self._tokenizer.pad_token_id
         return self.eos_id if pad is None else int(pad)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self._tokenizer, "chat_template", None))
+
+    def render_chat(self, turns: Sequence[tuple[str, str]], *, add_generation_prompt: bool,
+                    template_kwargs: Mapping[str, Any]) -> str:
+        """The chat template's text of ``(role, content)`` turns (special tokens as text)."""
+        messages = [{"role": role, "content": content} for role, content in turns]
+        return self._tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+            **dict(template_kwargs))
+
+    @property
+    def generation_stop_ids(self) -> tuple[int, ...]:
+        """``eos_token_id`` of the directory's generation_config.json (none without one)."""
+        path = self.path / GENERATION_CONFIG_FILE
+        if not path.is_file():
+            return ()
+        value = json.loads(path.read_text()).get("eos_token_id")
+        values = [] if value is None else [value] if isinstance(value, int) else value
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+            raise ValueError(f"{path}: eos_token_id={value!r} must be a token id or a list of "
+                             "them")
+        return tuple(values)
+
+    def is_special(self, token_id: int) -> bool:
+        """A special (added, control) token: never part of a response's text."""
+        added = self._tokenizer.added_tokens_decoder.get(token_id)
+        return token_id in self._tokenizer.all_special_ids or bool(added and added.special)
 
     def encode(self, text: str) -> list[int]:
         return list(self._tokenizer.encode(text, add_special_tokens=False))

@@ -1,17 +1,13 @@
-"""Prompt/answer data: JSONL problems and supervised (warm-start) batches built from them.
+"""Prompt/answer problems and the supervised (warm-start) batches built from them.
 
-A problem file holds one ``{"prompt": ..., "answer": ...}`` object per line. For supervised
-training a sample is ``prompt + " " + answer`` followed by EOS, with the loss on the answer and
-EOS tokens only. The answer's tokens are taken as the tail of the tokenized whole after the
-tokenized prompt, so that what the model learns to continue is exactly what it sees when it is
-prompted with the tokenized prompt at rollout time (this is checked, not assumed).
+A supervised sample is the prompt's token ids exactly as rollouts see them, then the target's
+ids and its stop token (``megatron_logra.data.prompt_builder`` builds both); the loss is on the
+target and the stop token only. Files are read by ``megatron_logra.data.problem_files``.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -24,55 +20,28 @@ from megatron_logra.data.sample_order import SampleOrder
 @dataclass(frozen=True)
 class PromptProblem:
     prompt: str
+    """The user's text (a messages prompt's last user turn)."""
     answer: str
+    """What the reward grades a response against."""
+    context: tuple[tuple[str, str], ...] = ()
+    """``(role, content)`` turns before the prompt (a messages row's system / earlier turns)."""
+    response: str | None = None
+    """The supervised target; None: the answer."""
+    origin: str = field(default="", compare=False)
+    """Where the row came from (``file:line``), for error messages."""
 
-
-class TextTokenizer(Protocol):
     @property
-    def eos_id(self) -> int: ...
+    def target(self) -> str:
+        return self.answer if self.response is None else self.response
 
+
+class SupervisedTokens(Protocol):
     @property
     def pad_id(self) -> int: ...
 
-    def encode(self, text: str) -> list[int]: ...
-
-
-def load_problems(path: str | Path) -> list[PromptProblem]:
-    """Read a JSONL problem file; every line needs a string ``prompt`` and ``answer``."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"problem file {str(path)!r} does not exist; create the dataset with "
-                         "tools/make_synthetic_data.py")
-    problems = []
-    with open(path) as handle:
-        for number, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{path}:{number} is not JSON ({error})") from error
-            if not isinstance(item.get("prompt"), str) or not isinstance(item.get("answer"), str):
-                raise ValueError(
-                    f"{path}:{number} needs string fields 'prompt' and 'answer', got "
-                    f"{sorted(item)}"
-                )
-            problems.append(PromptProblem(item["prompt"], item["answer"]))
-    if not problems:
-        raise ValueError(f"problem file {path} is empty")
-    return problems
-
-
-def supervised_tokens(problem: PromptProblem, tokenizer: TextTokenizer) -> tuple[list[int], int]:
-    """``(prompt ids + answer ids + [eos], number of prompt ids)``."""
-    prompt_ids = tokenizer.encode(problem.prompt)
-    whole = tokenizer.encode(f"{problem.prompt} {problem.answer}")
-    if whole[: len(prompt_ids)] != prompt_ids:
-        raise ValueError(
-            f"the tokenization of {problem.prompt!r} is not a prefix of the tokenized "
-            "prompt-plus-answer; supervised targets would not match what rollouts see"
-        )
-    return whole + [tokenizer.eos_id], len(prompt_ids)
+    def supervised_tokens(self, problem: PromptProblem) -> tuple[list[int], int]:
+        """``(prompt ids + target ids + [stop], number of prompt ids)``."""
+        ...
 
 
 class SupervisedBatchSchedule(BatchSchedule):
@@ -80,7 +49,7 @@ class SupervisedBatchSchedule(BatchSchedule):
     data-parallel rank use is :class:`SampleOrder`'s, as for LMBatchSchedule)."""
 
     def __init__(
-        self, problems: list[PromptProblem], tokenizer: TextTokenizer, *, seq_length: int,
+        self, problems: list[PromptProblem], builder: SupervisedTokens, *, seq_length: int,
         global_batch_size: int, seed: int,
     ) -> None:
         if len(problems) < global_batch_size:
@@ -89,15 +58,15 @@ class SupervisedBatchSchedule(BatchSchedule):
                 f"{global_batch_size}; lower train.global_batch_size"
             )
         self.seq_length = seq_length
-        self.pad_id = tokenizer.pad_id
+        self.pad_id = builder.pad_id
         self.samples = []
         for problem in problems:
-            ids, prompt_len = supervised_tokens(problem, tokenizer)
+            ids, prompt_len = builder.supervised_tokens(problem)
             if len(ids) > seq_length + 1:
                 raise ValueError(
-                    f"problem {problem.prompt!r} takes {len(ids)} tokens with its answer and "
-                    f"EOS, more than model.seq_length + 1 = {seq_length + 1}; raise "
-                    "model.seq_length"
+                    f"{problem.origin or repr(problem.prompt)} takes {len(ids)} tokens with its "
+                    f"target and stop token, more than model.seq_length + 1 = {seq_length + 1}; "
+                    "raise model.seq_length"
                 )
             self.samples.append((ids, prompt_len))
         self.num_samples = len(self.samples)
@@ -109,7 +78,7 @@ class SupervisedBatchSchedule(BatchSchedule):
         for row, index in enumerate(indices):
             ids, prompt_len = self.samples[int(index)]
             window[row, : len(ids)] = torch.tensor(ids)
-            # Label position t predicts token t+1: answer tokens and EOS are the labels at
+            # Label position t predicts token t+1: target tokens and the stop are the labels at
             # positions prompt_len-1 .. len(ids)-2.
             mask[row, prompt_len - 1 : len(ids) - 1] = 1.0
         return window, mask

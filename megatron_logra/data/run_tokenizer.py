@@ -9,9 +9,12 @@ its tokenizer has ids), else one per tokenizer id; Megatron pads either to
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from megatron_logra.config import Config
-from megatron_logra.data.dataset_dir import load_tokenizer
+from megatron_logra.data.dataset_dir import TOKENIZER_FILE, load_tokenizer
 from megatron_logra.data.hf_tokenizer import HFTokenizer
+from megatron_logra.data.prompt_builder import PromptBuilder
 from megatron_logra.data.tokenizer import SentencePieceTokenizer
 
 RunTokenizer = HFTokenizer | SentencePieceTokenizer
@@ -20,6 +23,12 @@ RunTokenizer = HFTokenizer | SentencePieceTokenizer
 def load_run_tokenizer(cfg: Config) -> RunTokenizer:
     if cfg.data.tokenizer:
         return HFTokenizer(cfg.data.tokenizer)
+    if not (Path(cfg.data.dir) / TOKENIZER_FILE).is_file():
+        raise ValueError(
+            f"data.tokenizer is unset and data.dir={cfg.data.dir!r} has no {TOKENIZER_FILE} (the "
+            "synthetic task's SentencePiece model); set data.tokenizer to the model's Hugging "
+            "Face tokenizer directory (OUT_DIR/tokenizer of tools/convert_hf.py to-megatron)"
+        )
     return load_tokenizer(cfg.data.dir)
 
 
@@ -35,3 +44,9 @@ def embedding_rows(cfg: Config, tokenizer: RunTokenizer) -> int:
             "it to follow the tokenizer"
         )
     return rows
+
+
+def load_prompt_builder(cfg: Config) -> PromptBuilder:
+    """The run's tokenizer with its ``data.prompt`` settings: what every engine and the trainer
+    encode prompts and supervised targets with, and the stop tokens."""
+    return PromptBuilder(load_run_tokenizer(cfg), cfg.data.prompt)

@@ -1,8 +1,8 @@
 """Per-problem results of one held-out evaluation, kept next to the aggregate metrics.
 
 ``rl`` writes ``<run.dir>/eval/step_NNNNNN.jsonl`` at every evaluation: one line per problem with
-the prompt, the reference answer, the greedy response and whether it was right, and how many of
-the k sampled responses were right. Two evaluations of one run cover the same problems in the same
+the prompt, the reference answer, the greedy response (its text, token count and whether it ended
+with a stop token) and whether it was right, and how many of the k sampled responses were right. Two evaluations of one run cover the same problems in the same
 order, so they can be compared problem by problem (:func:`paired_greedy_change`): a paired
 comparison removes the problem-difficulty variance that an unpaired before/after comparison of
 two accuracies carries.
@@ -28,6 +28,10 @@ class EvalAnswer:
     greedy_correct: bool
     samples_correct: int
     """How many of the evaluation's k samples were right."""
+    greedy_tokens: int = 0
+    """Tokens of the greedy response, its stop token included."""
+    greedy_finished: bool = False
+    """The greedy response ended with a stop token (False: cut at rl.sampling.max_new_tokens)."""
 
 
 def eval_answers_path(run_dir: Path, step: int) -> Path:

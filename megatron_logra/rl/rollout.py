@@ -72,17 +72,19 @@ class SamplingParams:
     """How to sample responses.
 
     Attributes:
-        max_new_tokens: at most this many tokens per response (EOS included).
+        max_new_tokens: at most this many tokens per response (the stop token included).
         temperature: softmax temperature; 0 means greedy decoding (argmax, lowest id on ties).
         top_p: nucleus size in (0, 1]; 1 samples from the whole distribution.
-        eos_id: a response ends with (and keeps) the first EOS token it samples; generation stops
-            once every response has ended. None: every response runs to ``max_new_tokens``.
+        stop_ids: a response ends with (and keeps) the first of these tokens it samples (EOS,
+            the chat template's end of turn, generation_config's eos_token_id list; see
+            ``megatron_logra.data.prompt_builder``); generation stops once every response has
+            ended. Empty: every response runs to ``max_new_tokens``.
     """
 
     max_new_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
-    eos_id: int | None = None
+    stop_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or (
@@ -100,10 +102,10 @@ class SamplingParams:
         if not (math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]; use 1 to disable nucleus "
                              "sampling")
-        if self.eos_id is not None and (
-            isinstance(self.eos_id, bool) or not isinstance(self.eos_id, int) or self.eos_id < 0
+        if not isinstance(self.stop_ids, tuple) or any(
+            isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_ids
         ):
-            raise ValueError(f"eos_id={self.eos_id!r} must be a token id >= 0 or None")
+            raise ValueError(f"stop_ids={self.stop_ids!r} must be a tuple of token ids >= 0")
 
     @property
     def greedy(self) -> bool:
@@ -243,7 +245,7 @@ class PaddedRollout:
     response_lengths: torch.Tensor
     """int64 ``[B]``."""
     finished: torch.Tensor
-    """bool ``[B]``: the response ended with EOS."""
+    """bool ``[B]``: the response ended with a stop token."""
     logprob_temperature: float
     """Recompute the trainer's log-probs at this temperature."""
 
@@ -260,7 +262,7 @@ class RolloutBatch:
     """Global index of each sequence in the ``generate`` call, ascending."""
     prompt_tokens: tuple[tuple[int, ...], ...]
     response_tokens: torch.Tensor
-    """int64 ``[B, R]``; a finished response ends with its EOS token."""
+    """int64 ``[B, R]``; a finished response ends with its stop token."""
     response_lengths: torch.Tensor
     """int64 ``[B]``, in ``[1, R]``."""
     logprobs: torch.Tensor
@@ -268,7 +270,8 @@ class RolloutBatch:
     sampling_logprobs: torch.Tensor
     """float32 ``[B, R]``: under the distribution actually sampled (top-p renormalised)."""
     finished: torch.Tensor
-    """bool ``[B]``: True when the response ended with EOS (False: cut at max_new_tokens)."""
+    """bool ``[B]``: True when the response ended with a stop token (False: cut at
+    max_new_tokens)."""
     logprob_temperature: float
 
     def __post_init__(self) -> None:

@@ -7,9 +7,10 @@ own processes (``rollout.engine=megatron``) and vLLM (``rollout.engine=vllm``). 
 **generate** samples one response per prompt of the *global* batch and returns, per prompt in
 order, ``(response_token_ids, response_logprobs)``:
 
-* ``response_token_ids``: the sampled ids, at least one; a response that sampled the end-of-
-  sequence token ends with it (and is then "finished"); otherwise it stopped at
-  ``max_new_tokens``. The engine knows its EOS id from its tokenizer / configuration.
+* ``response_token_ids``: the sampled ids, at least one; a response that sampled one of
+  ``stop_token_ids`` (EOS, the chat template's end of turn, ...: the trainer's set, from
+  ``megatron_logra.data.prompt_builder``) ends with it (and is then "finished"); otherwise it
+  stopped at ``max_new_tokens``. The engine stops at exactly the set it is given.
 * ``response_logprobs``: one float per token, ``log softmax(z / T)[y_t]`` over the real
   vocabulary at the sampling temperature T, *untruncated* by top-p (T = 1 for greedy decoding,
   ``temperature = 0``). This is the ``pi_rollout`` of the RL losses and of the KL controller's
@@ -63,6 +64,7 @@ class GenerationEngine(Protocol):
         temperature: float,
         top_p: float,
         seed: int,
+        stop_token_ids: list[int],
     ) -> list[EngineResponse]:
         """One ``(response_token_ids, response_logprobs)`` per prompt, in prompt order."""
         ...

@@ -203,11 +203,13 @@ class MegatronEngine:
     # ------------------------------------------------------------------ the protocol
 
     def generate(self, prompt_token_ids: list[list[int]], *, max_new_tokens: int,
-                 temperature: float, top_p: float, seed: int) -> list[EngineResponse]:
+                 temperature: float, top_p: float, seed: int,
+                 stop_token_ids: list[int]) -> list[EngineResponse]:
         result = self._call("generate", {
             "prompts": [list(map(int, p)) for p in prompt_token_ids],
             "max_new_tokens": int(max_new_tokens), "temperature": float(temperature),
             "top_p": float(top_p), "seed": int(seed),
+            "stop_token_ids": [int(t) for t in stop_token_ids],
         })
         return [(list(tokens), list(logprobs)) for tokens, logprobs in result]
 

@@ -172,11 +172,12 @@ class VLLMEngine:
     # ------------------------------------------------------------------ protocol
 
     def generate(self, prompt_token_ids: list[list[int]], *, max_new_tokens: int,
-                 temperature: float, top_p: float, seed: int
+                 temperature: float, top_p: float, seed: int, stop_token_ids: list[int]
                  ) -> list[tuple[list[int], list[float]]]:
         return [tuple(r) for r in self._call(
             "generate", self.request_timeout_s, prompt_token_ids=prompt_token_ids,
-            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)]
+            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+            stop_token_ids=stop_token_ids)]
 
     def score(self, token_ids: list[list[int]]) -> list[list[float]]:
         """Log-probs (temperature 1) of tokens 1..L-1 of each sequence given the ones before."""

@@ -210,6 +210,13 @@ def _finish(
     if cfg.run.save_model:
         save_model_checkpoint(run_dir, model_chunks=job.setup.model_chunks, cfg=cfg,
                               groups=groups, name=MODEL_DIR)
+        if is_rank0:
+            logger.info("final model: %s (model.init_checkpoint of a later run loads it; "
+                        "`python tools/convert_hf.py to-hf %s OUT_DIR` writes a Hugging Face "
+                        "directory)", run_dir / MODEL_DIR, run_dir / MODEL_DIR)
+    elif is_rank0:
+        logger.info("run.save_model=false: the final weights were not saved (checkpoints, if "
+                    "any, are in checkpoint.dir=%s)", cfg.checkpoint.dir)
     if cfg.run.save_full_weights:
         weights = gather_full_weights(job.setup.model_chunks, groups)
         if is_rank0:

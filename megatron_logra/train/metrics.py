@@ -64,6 +64,11 @@ _FIELD_FORMATS: dict[str, Callable[[Any], str]] = {
     "sync_bytes": lambda value: f"sync {value:,} B",
     "sync_time_s": lambda value: f"sync {value:.3f} s",
     "sync_weights_match": lambda value: "weights equal" if value else "WEIGHTS DIFFER",
+    "response_length": lambda value: f"resp_len {value:.1f}",
+    "truncated_fraction": lambda value: f"truncated {value:.2f}",
+    "eval_greedy": lambda value: f"eval_greedy {value:.3f}",
+    "eval_pass@1": lambda value: f"eval_pass@1 {value:.3f}",
+    "eval_truncated": lambda value: f"eval_truncated {value:.2f}",
 }
 
 
@@ -79,7 +84,8 @@ def _format_field(key: str, value: Any) -> str | None:
 
 # Fields shown on the console line, in this order; everything else goes only to JSONL.
 CONSOLE_FIELDS: tuple[str, ...] = (
-    "loss", "reward", "accuracy", "grad_norm", "lr", "kl_predicted_scaled", "kl_realized",
+    "loss", "reward", "accuracy", "response_length", "truncated_fraction", "eval_greedy",
+    "eval_pass@1", "eval_truncated", "grad_norm", "lr", "kl_predicted_scaled", "kl_realized",
     "alpha", "tokens_per_s", "step_time_s", "rollout_time_s", "update_time_s",
     "master_merge_time_s", "sync_mode", "sync_bytes", "sync_time_s", "sync_weights_match", "mem_bytes",
 )

@@ -11,7 +11,6 @@ around the steps is :mod:`megatron_logra.train.loop`'s.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,7 +18,9 @@ import torch
 from megatron_logra.config import Config
 from megatron_logra.data.dataset_dir import load_tokens
 from megatron_logra.data.lm_batches import LMBatchSchedule
-from megatron_logra.data.prompt_data import SupervisedBatchSchedule, load_problems
+from megatron_logra.data.problem_files import load_split
+from megatron_logra.data.prompt_builder import PromptBuilder
+from megatron_logra.data.prompt_data import SupervisedBatchSchedule
 from megatron_logra.data.run_tokenizer import embedding_rows, load_run_tokenizer
 from megatron_logra.mcore import (
     ParallelGroups,
@@ -39,10 +40,11 @@ def train(cfg: Config) -> dict[str, Any]:
 
 
 def batch_schedule(cfg: Config, tokenizer: Any) -> LMBatchSchedule | SupervisedBatchSchedule:
-    """Language modelling on the corpus, or supervised prompt -> answer training."""
+    """Language modelling on the corpus, or supervised prompt -> target training (the samples
+    are the prompt builder's: the prompt ids rollouts see, the target, its stop token)."""
     if cfg.data.format == "prompts":
         return SupervisedBatchSchedule(
-            load_problems(Path(cfg.data.dir) / "train.jsonl"), tokenizer,
+            load_split(cfg.data, "train"), PromptBuilder(tokenizer, cfg.data.prompt),
             seq_length=cfg.model.seq_length, global_batch_size=cfg.train.global_batch_size,
             seed=cfg.train.seed,
         )
@@ -76,8 +78,9 @@ class SupervisedJob:
     def step(self, step: int) -> dict[str, Any]:
         cfg, groups, setup = self.cfg, self.groups, self.setup
         start = time.perf_counter()
+        # Whole sequences of this data-parallel replica (its CP ranks split them in train_step).
         microbatches = self.schedule.microbatches(
-            step, dp_rank=groups.dp_rank, dp_size=groups.dp_size,
+            step, dp_rank=groups.data_rank, dp_size=groups.data_size,
             micro_batch_size=cfg.train.micro_batch_size, device=groups.device,
         )
         step_metrics = setup.step_metrics()
@@ -85,7 +88,7 @@ class SupervisedJob:
         if control is not None:
             settings = cfg.logra.kl_control
             control.set_batch(supervised_probe_batch(microbatches, settings,
-                                                     dp_rank=groups.dp_rank))
+                                                     dp_rank=groups.data_rank))
             if settings.mismatch_input is not None:
                 control.observe_mismatch(settings.mismatch_input)
         result = train_step(setup, microbatches, groups=groups, seq_length=cfg.model.seq_length,

@@ -63,13 +63,16 @@ class Engine:
                 "replay_device": merge_device if replay == [merge_device] else "cpu"}
 
     def generate(self, *, prompt_token_ids: list[list[int]], max_new_tokens: int,
-                 temperature: float, top_p: float, seed: int) -> list[tuple[list[int], list[float]]]:
+                 temperature: float, top_p: float, seed: int,
+                 stop_token_ids: list[int]) -> list[tuple[list[int], list[float]]]:
         from vllm import SamplingParams, TokensPrompt
 
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_token_ids]
-        # One seed per prompt: the same seed for all would correlate their samples.
+        # One seed per prompt: the same seed for all would correlate their samples. The
+        # trainer's stop set (EOS, end of turn, ...) ends a response, which keeps its stop token.
         params = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                 seed=seed + i, logprobs=0, detokenize=False)
+                                 seed=seed + i, logprobs=0, detokenize=False,
+                                 stop_token_ids=list(stop_token_ids))
                   for i in range(len(prompts))]
         results = []
         for out in self.llm.generate(prompts, params, use_tqdm=False):

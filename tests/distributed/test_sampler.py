@@ -142,16 +142,20 @@ def test_sampled_tokens_lie_in_the_top_p_nucleus_and_sampling_logprobs_are_renor
     assert tp1["configs"]["greedy"]["sampling_logprobs_all_zero"]
 
 
-def test_eos_ends_each_response_at_its_first_eos_and_keeps_it(tp1):
+def test_a_stop_set_ends_each_response_at_its_first_stop_token_and_keeps_it(tp1):
     eos = tp1["eos"]
     reference = eos["reference"]
-    for run, token in (("with_eos", eos["eos_batch"]), ("single", eos["eos_single"])):
+    for run, stops in (("with_eos", {eos["eos_batch"]}), ("single", {eos["eos_single"]}),
+                       ("with_stop_set", {eos["eos_batch"], eos["second_stop"]})):
         result = eos[run]
         for i, full in enumerate(reference["responses"][: len(result["responses"])]):
-            end = full.index(token) + 1 if token in full else len(full)
+            hits = [at for at, token in enumerate(full) if token in stops]
+            end = hits[0] + 1 if hits else len(full)
             assert result["responses"][i] == full[:end], (run, i)
             assert result["lengths"][i] == end, (run, i)
-            assert result["finished"][i] == (token in full), (run, i)
+            assert result["finished"][i] == bool(hits), (run, i)
+    # A stop set ends some responses earlier than its first token alone does.
+    assert sum(eos["with_stop_set"]["lengths"]) < sum(eos["with_eos"]["lengths"])
     # Same batch, same padding: the kept prefix is computed exactly as without EOS.
     for i, logprobs in enumerate(eos["with_eos"]["logprobs"]):
         assert logprobs == reference["logprobs"][i][: len(logprobs)], i
@@ -194,7 +198,7 @@ def test_sampler_rejects_bad_requests_naming_the_problem(tp1, layouts):
         "token_out_of_vocab": "ValueError: prompts[0][1]=100 is not a token id in [0, 100)",
         "empty_prompt": "ValueError: prompts[1]=[] must be a non-empty list",
         "negative_seed": "ValueError: seed=-1 must be an integer >= 0",
-        "eos_out_of_vocab": "ValueError: eos_id=100 is outside the vocabulary [0, 100)",
+        "eos_out_of_vocab": "ValueError: stop_ids [100] are outside the vocabulary [0, 100)",
         "two_chunks": "ValueError: generation needs exactly one model chunk per rank, got 2",
         "vocab_too_large": "ValueError: vocab_size=129 must be in [1, 128]",
         "positions_exhausted": "ValueError: the longest prompt (30 tokens) + max_new_tokens (3) "

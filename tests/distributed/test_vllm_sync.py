@@ -264,13 +264,15 @@ def test_vllm_logprobs_of_the_trainers_tokens_match_its_recomputation(tp2_engine
 def test_vllm_generates_tokens_with_their_logprobs(tp2_engine_of_dp2_bf16_trainer):
     engine, result, _ = tp2_engine_of_dp2_bf16_trainer
     prompts = [seq[:8] for seq in result["tokens"][:2]]
-    samples = engine.generate(prompts, max_new_tokens=6, temperature=1.0, top_p=1.0, seed=3)
+    samples = engine.generate(prompts, max_new_tokens=6, temperature=1.0, top_p=1.0, seed=3,
+                              stop_token_ids=[])
     assert [len(tokens) for tokens, _ in samples] == [6, 6]
     assert all(len(lps) == 6 and all(lp <= 0.0 for lp in lps) for _, lps in samples)
     # A fixed seed samples the same tokens again (a per-request generator); their log-probs
     # agree to the served dtype's rounding (the second batch's kernels may sum in another order:
     # 1 ulp seen in fp32).
-    again = engine.generate(prompts, max_new_tokens=6, temperature=1.0, top_p=1.0, seed=3)
+    again = engine.generate(prompts, max_new_tokens=6, temperature=1.0, top_p=1.0, seed=3,
+                            stop_token_ids=[])
     assert [tokens for tokens, _ in again] == [tokens for tokens, _ in samples]
     assert torch.allclose(torch.tensor([lps for _, lps in again]),
                           torch.tensor([lps for _, lps in samples]),

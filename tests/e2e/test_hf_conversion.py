@@ -209,10 +209,14 @@ def test_derived_model_config_carries_the_hf_architecture(hf_models, converted):
         assert model["init_checkpoint"] == str((converted[name] / "model").resolve())
 
 
-def test_to_megatron_copies_the_tokenizer_files_unchanged(hf_models, converted):
+def test_to_megatron_copies_the_tokenizer_files_and_generation_config_unchanged(hf_models,
+                                                                             converted):
     for name in hf_models:
         copied = sorted(p.name for p in (converted[name] / "tokenizer").iterdir())
-        assert copied == ["tokenizer.json", "tokenizer_config.json"]
+        # The model's generation config goes beside the tokenizer: its stop tokens.
+        generation = ["generation_config.json"] * (hf_models[name] / "generation_config.json"
+                                                   ).is_file()
+        assert copied == sorted(["tokenizer.json", "tokenizer_config.json", *generation])
         for file in copied:
             assert (converted[name] / "tokenizer" / file).read_bytes() == (
                 hf_models[name] / file).read_bytes()
@@ -422,16 +426,18 @@ def _hf_answer_loss(model_dir: Path, tokenizer_dir: Path) -> float:
     """Mean cross-entropy of transformers' model on the answer tokens and EOS of every problem."""
     from transformers import AutoModelForCausalLM
 
+    from megatron_logra.config import PromptConfig
     from megatron_logra.data.hf_tokenizer import HFTokenizer
-    from megatron_logra.data.prompt_data import PromptProblem, supervised_tokens
+    from megatron_logra.data.prompt_builder import PromptBuilder
+    from megatron_logra.data.prompt_data import PromptProblem
 
-    tokenizer = HFTokenizer(tokenizer_dir)
+    builder = PromptBuilder(HFTokenizer(tokenizer_dir), PromptConfig())
     model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True,
                                                  dtype=torch.float32).eval()
     total, count = 0.0, 0
     with torch.no_grad():
         for prompt, answer in PROBLEMS:
-            ids, prompt_len = supervised_tokens(PromptProblem(prompt, answer), tokenizer)
+            ids, prompt_len = builder.supervised_tokens(PromptProblem(prompt, answer))
             logits = model(torch.tensor([ids])).logits[0].double()
             targets = torch.tensor(ids[prompt_len:])
             losses = torch.nn.functional.cross_entropy(logits[prompt_len - 1 : -1], targets,

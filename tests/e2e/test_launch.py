@@ -117,7 +117,7 @@ PREFLIGHT_WALL_S = 60
         (["train", CONFIG, "optimizer.name=nope"], "optimizer.name='nope' is not valid"),
         # Checked against the launch's world size (--nproc 2), not a single process's.
         (["train", CONFIG, "parallel.tp=4"],
-         "world size 2 is not divisible by parallel.tp * parallel.pp = 4"),
+         "world size 2 is not divisible by parallel.tp * parallel.cp * parallel.pp = 4"),
         (["rl", RL_CONFIG, "parallel.tp=1", "model.activation=swiglu",
           "model.normalization=RMSNorm", "rollout.placement=separate", "rollout.engine=vllm",
           "rollout.vllm_venv=no-such-venv"],
@@ -180,6 +180,20 @@ def test_multi_node_script_prefers_explicit_master_variables_and_runs_cpu_over_g
         "--nproc_per_node=2", "--master_addr=10.0.0.5", "--master_port=6000",
         "-m", "megatron_logra", "train", CONFIG, "parallel.device=cpu",
     ]
+
+
+def test_launch_scripts_pass_several_config_files_in_order_before_the_overrides():
+    # A preset, then a converted model's model.yaml (any second file here): both reach the CLI
+    # (and its preflight check) in order, the overrides after them.
+    command = _multi_node_dry_run(["--cpu", "--nproc", "2", "rl", CONFIG, RL_CONFIG,
+                                   "train.steps=5"], NNODES="1", NODE_RANK="0",
+                                  MASTER_ADDR="127.0.0.1")
+    assert command[command.index("megatron_logra"):] == [
+        "megatron_logra", "rl", CONFIG, RL_CONFIG, "train.steps=5", "parallel.device=cpu"]
+    result = subprocess.run(
+        ["bash", SINGLE_NODE, "--dry-run", "--cpu", "rl", CONFIG, "no-such.yaml"], cwd=REPO,
+        env=_script_env(), capture_output=True, text=True, timeout=SCRIPT_ONLY_WALL_S)
+    assert result.returncode == 2 and "config file 'no-such.yaml' does not exist" in result.stderr
 
 
 @pytest.mark.parametrize(

@@ -82,12 +82,18 @@ def test_every_numeric_field_refuses_nan_and_infinity_naming_the_field(key, kind
         (["optimizer.name=logra", "model.ffn_hidden_size=32", "logra.sketch_rank=48",
           "logra.targets=linear_fc2"], ["logra.sketch_rank=48", "linear_fc2", "32"]),
         (["optimizer.name=lora", "lora.lora_rank=65"], ["lora.lora_rank=65", "64"]),
-        (["rl.sampling.max_new_tokens=64"], ["rl.sampling.max_new_tokens=64",
-                                             "model.seq_length=64"]),
     ],
 )
 def test_out_of_range_values_are_refused_naming_field_value_and_fix(overrides, fragments):
     _raises_naming(fragments, load_config, None, overrides)
+
+
+def test_rl_refuses_max_new_tokens_that_leave_no_room_and_other_commands_carry_them():
+    def rl_run():
+        return load_config(None, ["rl.sampling.max_new_tokens=64"], command="rl").resolved(1, "rl")
+
+    _raises_naming(["rl.sampling.max_new_tokens=64", "model.seq_length=64"], rl_run)
+    load_config(None, ["rl.sampling.max_new_tokens=64"], command="sft").resolved(1, "sft")
 
 
 def test_identity_sketches_and_dense_runs_are_not_bound_by_the_sketch_rank():

@@ -86,6 +86,9 @@ def test_command_defaults_sit_between_the_file_and_the_overrides(tmp_path):
     cfg = load_config(path, command="sft")
     assert cfg.data.format == "prompts" and cfg.run.save_model is True
     assert load_config(path, ["run.save_model=false"], command="sft").run.save_model is False
+    # rl saves its final policy too, unless told not to.
+    assert load_config(path, command="rl").run.save_model is True
+    assert load_config(path, ["run.save_model=false"], command="rl").run.save_model is False
 
 
 def test_provided_keys_are_recorded_and_not_serialised(tmp_path):

@@ -96,3 +96,17 @@ def test_non_finite_value_is_logged_as_warning_and_round_trips(tmp_path, caplog)
     assert "grad_norm is inf" in caplog.text
     (record,) = read_metrics(path)
     assert math.isnan(record["loss"]) and record["grad_norm"] == math.inf
+
+
+def test_rl_console_lines_show_response_length_truncation_and_evaluations():
+    console = io.StringIO()
+    log = MetricsLog(None, total_steps=20, console=console)
+    # rl's record before the first step holds only the evaluation of the starting policy.
+    log.log({"step": 0, "eval_pass@1": 0.25, "eval_pass@k": 0.5, "eval_greedy": 0.3,
+             "eval_truncated": 0.1, "eval_problems": 8})
+    log.log({"step": 1, "loss": 0.5, "reward": 0.25, "response_length": 812.25,
+             "truncated_fraction": 0.125})
+    assert console.getvalue().splitlines() == [
+        "step  0/20 | eval_greedy 0.300 | eval_pass@1 0.250 | eval_truncated 0.10",
+        "step  1/20 | loss 0.5000 | reward 0.25 | resp_len 812.2 | truncated 0.12",
+    ]

@@ -97,18 +97,20 @@ def test_the_engines_config_keeps_the_model_and_takes_its_own_layout():
     assert own.model == cfg.model and own.logra == cfg.logra and own.rl == cfg.rl
 
 
-def test_rollout_batch_from_engine_responses_keeps_the_share_and_marks_eos_finished():
-    params = SamplingParams(max_new_tokens=3, temperature=0.7, eos_id=9)
-    responses = [([4, 9], [-0.5, -0.25]), ([5, 6, 7], [-1.0, -2.0, -3.0]), ([9], [-0.125])]
-    prompts = [[1], [2, 3], [4]]
-    batch = rollout_batch(responses, prompts, range(1, 3), params)
-    assert batch.sequence_indices == (1, 2)
-    assert batch.prompt_tokens == ((2, 3), (4,))
-    assert batch.response_tokens.tolist() == [[5, 6, 7], [9, 0, 0]]
-    assert batch.response_lengths.tolist() == [3, 1]
-    assert batch.logprobs.tolist() == [[-1.0, -2.0, -3.0], [-0.125, 0.0, 0.0]]
+def test_rollout_batch_from_engine_responses_keeps_the_share_and_marks_any_stop_finished():
+    params = SamplingParams(max_new_tokens=3, temperature=0.7, stop_ids=(9, 8))
+    responses = [([4, 9], [-0.5, -0.25]), ([5, 6, 7], [-1.0, -2.0, -3.0]), ([9], [-0.125]),
+                 ([3, 8], [-1.0, -0.5])]
+    prompts = [[1], [2, 3], [4], [5]]
+    batch = rollout_batch(responses, prompts, range(1, 4), params)
+    assert batch.sequence_indices == (1, 2, 3)
+    assert batch.prompt_tokens == ((2, 3), (4,), (5,))
+    assert batch.response_tokens.tolist() == [[5, 6, 7], [9, 0, 0], [3, 8, 0]]
+    assert batch.response_lengths.tolist() == [3, 1, 2]
+    assert batch.logprobs.tolist() == [[-1.0, -2.0, -3.0], [-0.125, 0.0, 0.0], [-1.0, -0.5, 0.0]]
     assert torch.equal(batch.sampling_logprobs, batch.logprobs)  # top_p = 1: untruncated
-    assert batch.finished.tolist() == [False, True]
+    # Either stop token of the set finishes a response.
+    assert batch.finished.tolist() == [False, True, True]
     assert batch.logprob_temperature == 0.7
     greedy = rollout_batch(responses, prompts, range(3), SamplingParams(max_new_tokens=3,
                                                                         temperature=0.0))

@@ -68,7 +68,8 @@ def stratified_uniforms(count: int) -> torch.Tensor:
         ({"max_new_tokens": 4, "temperature": math.inf}, "temperature=inf must be a finite"),
         ({"max_new_tokens": 4, "top_p": 0.0}, "top_p=0.0 must be in (0, 1]"),
         ({"max_new_tokens": 4, "top_p": 1.5}, "top_p=1.5 must be in (0, 1]"),
-        ({"max_new_tokens": 4, "eos_id": -1}, "eos_id=-1 must be a token id >= 0 or None"),
+        ({"max_new_tokens": 4, "stop_ids": (3, -1)},
+         "stop_ids=(3, -1) must be a tuple of token ids >= 0"),
     ],
 )
 def test_sampling_params_reject_invalid_fields_naming_them(kwargs, message):

@@ -45,7 +45,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_logra import checkpoint_files
 from megatron_logra.atomic_write import fsync_directory, write_atomically
-from megatron_logra.checkpoint_files import HashCost, fsync_directories, hash_files, staging_name
+from megatron_logra.checkpoint_files import (
+    MANIFEST,
+    HashCost,
+    fsync_directories,
+    hash_files,
+    staging_name,
+)
 from megatron_logra.config import Config
 from megatron_logra.mcore.compat.megatron_fixes import apply_megatron_fixes, untie_adam_steps
 from megatron_logra.mcore.models.sharding import unwrap_model
@@ -55,7 +61,6 @@ from megatron_logra.mcore.training.setup import TrainingSetup
 logger = logging.getLogger(__name__)
 
 PREFIX = "iter_"
-MANIFEST = "manifest.json"
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 FORMAT_VERSION = 1
 # Test hook: set to a step number to SIGKILL rank 0 while it saves that step, after the shards
@@ -145,8 +150,10 @@ def _sharded_state(
 
 
 def _layout(groups: ParallelGroups) -> dict[str, int]:
-    return {"tp": groups.tp_size, "pp": groups.pp_size, "vpp": groups.vpp_size,
-            "dp": groups.dp_size}
+    layout = {"tp": groups.tp_size, "pp": groups.pp_size, "vpp": groups.vpp_size,
+              "dp": groups.dp_size}
+    # dp counts DP x CP ranks; cp is named only when used, so cp = 1 layouts read as before.
+    return {**layout, "cp": groups.cp_size} if groups.cp_size > 1 else layout
 
 
 # ----------------------------------------------------------------------------- manifest

@@ -62,7 +62,6 @@ class EngineRank:
     def __init__(self, cfg, groups) -> None:
         self.groups = groups
         tokenizer = load_run_tokenizer(cfg)
-        self.eos_id = tokenizer.eos_id
         self.chunks = build_model_chunks(cfg, groups, vocab_size=embedding_rows(cfg, tokenizer))
         self.sampler = MegatronSampler(self.chunks, groups, vocab_size=tokenizer.vocab_size)
         self.params = dict(global_named_parameters(self.chunks[0]))
@@ -123,7 +122,7 @@ class EngineRank:
     def _generate(self, body: dict) -> list:
         params = SamplingParams(max_new_tokens=body["max_new_tokens"],
                                 temperature=body["temperature"], top_p=body["top_p"],
-                                eos_id=self.eos_id)
+                                stop_ids=tuple(body["stop_token_ids"]))
         batch = self.sampler.generate(body["prompts"], params, seed=body["seed"])
         lengths = batch.response_lengths.tolist()
         return [(batch.response_tokens[i, :n].tolist(), batch.logprobs[i, :n].tolist())

@@ -3,9 +3,10 @@
 vLLM builds its model from a checkpoint directory, so at RL start (``rollout.engine=vllm``) the
 trainer writes its served weights there through our converter (``megatron_logra.mcore.
 conversion``): ``config.json`` from the model section (Llama, or Qwen2 for q/k/v-only biases),
-the tensors by ``hf_tensors_from_megatron``, and the tokenizer's EOS id in ``config.json`` and
-``generation_config.json`` -- vLLM runs without a tokenizer (token ids in, token ids out), and
-this is how it learns where a response ends. The full sync that follows the start overwrites
+the tensors by ``hf_tensors_from_megatron``, and the run's stop tokens (EOS, the chat template's
+end of turn, ...) as ``eos_token_id`` in ``config.json`` and ``generation_config.json`` -- vLLM
+runs without a tokenizer (token ids in, token ids out); every generate request also names the
+set, so both say the same. The full sync that follows the start overwrites
 every weight with the exact state, so the file's values only have to be the policy's shapes
 and dtype; writing the policy itself keeps the directory a usable snapshot of the start.
 """
@@ -35,7 +36,7 @@ SERVED_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def write_engine_checkpoint(cfg: Config, setup, groups: ParallelGroups, hf_dir: Path, *,
-                            vocab_size: int, eos_id: int) -> None:
+                            vocab_size: int, stop_ids: tuple[int, ...]) -> None:
     """Write the policy as a Hugging Face checkpoint into ``hf_dir`` (world rank 0; collective
     over the trainer: every rank gathers, an error on rank 0 is raised on all).
 
@@ -49,12 +50,12 @@ def write_engine_checkpoint(cfg: Config, setup, groups: ParallelGroups, hf_dir: 
         except ValueError as error:
             raise ValueError(f"rollout.engine=vllm serves a Hugging Face model, and this one "
                              f"has none: {error}; use rollout.engine=megatron") from error
-        config["eos_token_id"] = eos_id
+        config["eos_token_id"] = list(stop_ids)
         tensors = hf_tensors_from_megatron(weights, architecture_from_hf_config(config))
         hf_dir.mkdir(parents=True, exist_ok=True)
         write_safetensors({n: t.to(dtype).contiguous() for n, t in tensors.items()}, hf_dir)
         (hf_dir / HF_CONFIG_FILE).write_text(json.dumps(config, indent=1) + "\n")
         (hf_dir / HF_GENERATION_CONFIG_FILE).write_text(
-            json.dumps({"eos_token_id": eos_id}, indent=1) + "\n")
+            json.dumps({"eos_token_id": list(stop_ids)}, indent=1) + "\n")
 
     from_world_rank0(write, f"writing the vLLM engine's checkpoint to {hf_dir}")

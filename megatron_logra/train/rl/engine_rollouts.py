@@ -5,7 +5,7 @@ World rank 0 owns the :class:`~megatron_logra.rollout.engine.GenerationEngine`; 
 step's global prompt list, and every trainer rank receives the responses and keeps its
 data-parallel share, so the rest of the step is the colocated one. The engine returns the
 tokens and the untruncated log-probs (``pi_rollout``); the RolloutBatch fields follow from them:
-``finished`` is "ends with EOS", and the sampled distribution's log-probs are the untruncated
+``finished`` is "ends with one of the stop tokens" (the engine is given the set), and the sampled distribution's log-probs are the untruncated
 ones at top_p = 1 (the config refuses top_p < 1 for a separate engine) and 0 for greedy
 decoding, as ``megatron_logra.rl.rollout`` defines them.
 """
@@ -45,8 +45,7 @@ def rollout_batch(responses: list[EngineResponse], prompts: list[list[int]], ind
     for row, (tokens, logprobs) in enumerate(chosen):
         tokens_BR[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
         logprobs_BR[row, : len(tokens)] = torch.tensor(logprobs, dtype=torch.float32)
-    eos = params.eos_id
-    finished = torch.tensor([eos is not None and tokens[-1] == eos for tokens, _ in chosen],
+    finished = torch.tensor([tokens[-1] in params.stop_ids for tokens, _ in chosen],
                             dtype=torch.bool)
     return RolloutBatch(
         sequence_indices=tuple(indices),
@@ -80,7 +79,7 @@ class SeparateEngineRollouts:
             assert self.engine is not None, "world rank 0 owns the rollout engine"
             responses = self.engine.generate(
                 prompts, max_new_tokens=params.max_new_tokens, temperature=params.temperature,
-                top_p=params.top_p, seed=seed)
+                top_p=params.top_p, seed=seed, stop_token_ids=list(params.stop_ids))
             if len(responses) != len(prompts):
                 raise RuntimeError(f"the engine answered {len(responses)} of {len(prompts)} "
                                    "prompts")

@@ -19,13 +19,17 @@ EVAL_SEED = 2_000_003
 
 
 def _score(rollout: RolloutBatch, problems: list[PromptProblem], encoder: PromptEncoder,
-           reward: Reward, groups: ParallelGroups) -> tuple[list[bool], list[str]]:
-    """Correctness and response text of every problem, gathered over DP (global order)."""
+           reward: Reward, groups: ParallelGroups
+           ) -> tuple[list[bool], list[tuple[str, int, bool]]]:
+    """Correctness and (response text, tokens, ended with a stop token) of every problem,
+    gathered over DP (global order)."""
     share = data_parallel_share(len(problems), groups.dp_rank, groups.dp_size)
     texts = encoder.response_texts(rollout)
     result = reward.score(texts, [problems[i].answer for i in share])
-    gathered = gather_dp(list(zip(result.correct, texts, strict=True)), groups)
-    return [bool(right) for right, _ in gathered], [text for _, text in gathered]
+    responses = list(zip(texts, rollout.response_lengths.tolist(), rollout.finished.tolist(),
+                         strict=True))
+    gathered = gather_dp(list(zip(result.correct, responses, strict=True)), groups)
+    return [bool(right) for right, _ in gathered], [response for _, response in gathered]
 
 
 def evaluate(
@@ -33,16 +37,16 @@ def evaluate(
     problems: list[PromptProblem], *, rl: RLConfig, groups: ParallelGroups,
 ) -> tuple[dict[str, float], list[EvalAnswer]]:
     """The metrics of one evaluation and its per-problem answers (the same on every rank)."""
-    k, eos_id = rl.eval.samples, encoder.eos_id
+    k, stop_ids = rl.eval.samples, encoder.stop_ids
     repeated = [problem for problem in problems for _ in range(k)]
     sampled, _ = _score(
         engine.generate(encoder.prompt_ids(repeated),
-                        sampling_params(rl, eos_id, evaluation=True), seed=EVAL_SEED),
+                        sampling_params(rl, stop_ids, evaluation=True), seed=EVAL_SEED),
         repeated, encoder, reward, groups,
     )
     greedy, greedy_texts = _score(
         engine.generate(encoder.prompt_ids(problems),
-                        sampling_params(rl, eos_id, evaluation=True, greedy=True),
+                        sampling_params(rl, stop_ids, evaluation=True, greedy=True),
                         seed=EVAL_SEED),
         problems, encoder, reward, groups,
     )
@@ -52,11 +56,15 @@ def evaluate(
         "eval_pass@k": mean_pass_at_k(k, per_problem, k),
         "eval_k": k,
         "eval_greedy": sum(greedy) / len(greedy),
+        # Greedy responses cut at rl.sampling.max_new_tokens (no stop token).
+        "eval_truncated": sum(not finished for _, _, finished in greedy_texts) / len(greedy),
         "eval_problems": len(problems),
     }
     answers = [
         EvalAnswer(prompt=p.prompt, answer=p.answer, greedy=text, greedy_correct=bool(right),
-                   samples_correct=int(n))
-        for p, text, right, n in zip(problems, greedy_texts, greedy, per_problem, strict=True)
+                   samples_correct=int(n), greedy_tokens=int(length),
+                   greedy_finished=bool(finished))
+        for p, (text, length, finished), right, n in zip(problems, greedy_texts, greedy,
+                                                        per_problem, strict=True)
     ]
     return metrics, answers

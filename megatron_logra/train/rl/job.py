@@ -28,9 +28,8 @@ from typing import Any
 import torch
 
 from megatron_logra.config import Config
-from megatron_logra.data.dataset_dir import EVAL_SPLIT_FILES
-from megatron_logra.data.prompt_data import load_problems
-from megatron_logra.data.run_tokenizer import embedding_rows, load_run_tokenizer
+from megatron_logra.data.problem_files import load_split
+from megatron_logra.data.run_tokenizer import embedding_rows, load_prompt_builder
 from megatron_logra.mcore import (
     MegatronSampler,
     ParallelGroups,
@@ -55,6 +54,11 @@ from megatron_logra.train.rl.evaluation import evaluate
 from megatron_logra.train.rl.policy_sync import PolicySync, engine_shadow_targets
 from megatron_logra.train.rl.policy_update import update_policy
 from megatron_logra.train.rl.prompts import PromptEncoder
+from megatron_logra.train.rl.rollout_log import (
+    append_rollouts,
+    keep_rollouts_up_to,
+    rollout_records,
+)
 from megatron_logra.train.rl.rollouts import collect_rollouts
 
 
@@ -70,18 +74,12 @@ class RLJob:
     def __init__(self, cfg: Config, groups: ParallelGroups) -> None:
         r = cfg.rl
         self.cfg, self.groups = cfg, groups
-        tokenizer = load_run_tokenizer(cfg)
+        builder = load_prompt_builder(cfg)
+        tokenizer = builder.tokenizer
         self.vocab_size = tokenizer.vocab_size
-        self.encoder = PromptEncoder(tokenizer)
-        eval_file = Path(cfg.data.dir) / EVAL_SPLIT_FILES[r.eval.split]
-        if not eval_file.is_file() and r.eval.split == "validation":
-            raise ValueError(
-                f"rl.eval.split=validation reads {eval_file}, which does not exist; write the "
-                "dataset with a validation split (tools/make_synthetic_data.py --num-valid N) or "
-                "set rl.eval.split=test"
-            )
-        self.eval_problems = load_problems(eval_file)[: r.eval.prompts]
-        self.schedule = PromptSchedule(load_problems(Path(cfg.data.dir) / "train.jsonl"),
+        self.encoder = PromptEncoder(builder)
+        self.eval_problems = load_split(cfg.data, r.eval.split)[: r.eval.prompts]
+        self.schedule = PromptSchedule(load_split(cfg.data, "train"),
                                        prompts_per_step=r.prompts_per_step,
                                        samples_per_prompt=r.samples_per_prompt, seed=r.seed)
         self.preset = build_preset(r)
@@ -105,7 +103,7 @@ class RLJob:
                 # vLLM loads a Hugging Face checkpoint: the policy, through our converter.
                 write_engine_checkpoint(cfg, self.setup, groups, vllm_checkpoint_dir(cfg),
                                         vocab_size=embedding_rows(cfg, tokenizer),
-                                        eos_id=tokenizer.eos_id)
+                                        stop_ids=builder.stop_ids)
             target_names = engine_shadow_targets(cfg, self.setup.logra is not None)
             # World rank 0 owns the engine; every rank learns whether it started.
             started: list = []
@@ -128,6 +126,8 @@ class RLJob:
 
     def initial_records(self, start_step: int) -> list[dict[str, Any]]:
         self._resumed_updates = start_step * self.cfg.rl.updates_per_rollout
+        if self.groups.world_rank == 0:
+            keep_rollouts_up_to(Path(self.cfg.run.dir), start_step)
         self._sync_before_rollouts()
         return [{"step": 0, **self._evaluate(0)}] if start_step == 0 else []
 
@@ -161,12 +161,16 @@ class RLJob:
         start = time.perf_counter()
         first_sync = self._sync_before_rollouts()
         rollout_start = time.perf_counter()
+        problems = self.schedule.step_problems(step)
         scored = collect_rollouts(
             self.engine, self.encoder, self.reward, self.preset.advantages,
-            self.schedule.step_problems(step), rl=cfg.rl, step=step, groups=groups,
+            problems, rl=cfg.rl, step=step, groups=groups,
         )
         rollout_done = time.perf_counter()
-        padded = pad_to_length(scored.rollout, cfg.model.seq_length, self.encoder.eos_id)
+        if groups.world_rank == 0 and cfg.rl.logged_rollouts:
+            append_rollouts(Path(cfg.run.dir), rollout_records(
+                step + 1, problems, scored, self.encoder.builder, cfg.rl.logged_rollouts))
+        padded = pad_to_length(scored.rollout, cfg.model.seq_length, self.encoder.pad_id)
         reference_logprobs = None
         if self.reference is not None:
             reference_logprobs = compute_token_logprobs(
@@ -222,6 +226,8 @@ class RLJob:
             "accuracy": sum(scored.correct) / len(scored.correct),
             "reward_failed": scored.failed_grading,
             "response_length": generated / len(scored.lengths),
+            # Responses cut at rl.sampling.max_new_tokens without a stop token.
+            "truncated_fraction": scored.truncated / len(scored.lengths),
             "grad_norm": update.grad_norm,
             **step_metrics,
             self.preset.loss.ratio_metric: sums.ratio_sum / max(sums.tokens, 1.0),

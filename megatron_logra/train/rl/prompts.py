@@ -1,37 +1,29 @@
-"""Prompts to token ids and responses back to text, for the rollout engine and the reward."""
+"""Prompts to token ids and responses back to text, for the rollout engine and the reward (the
+ids and the stop tokens are :class:`~megatron_logra.data.prompt_builder.PromptBuilder`'s)."""
 
 from __future__ import annotations
 
-from typing import Any
-
+from megatron_logra.data.prompt_builder import PromptBuilder
 from megatron_logra.data.prompt_data import PromptProblem
 from megatron_logra.rl.rollout import RolloutBatch
 
 
 class PromptEncoder:
-    """Token ids of prompts, cached (the same problems recur across epochs)."""
+    """Token ids of prompts (the builder caches them: the same problems recur across epochs)."""
 
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self._cache: dict[str, list[int]] = {}
+    def __init__(self, builder: PromptBuilder) -> None:
+        self.builder = builder
 
     @property
-    def eos_id(self) -> int:
-        return self.tokenizer.eos_id
+    def stop_ids(self) -> tuple[int, ...]:
+        return self.builder.stop_ids
+
+    @property
+    def pad_id(self) -> int:
+        return self.builder.pad_id
 
     def prompt_ids(self, problems: list[PromptProblem]) -> list[list[int]]:
-        out = []
-        for problem in problems:
-            if problem.prompt not in self._cache:
-                self._cache[problem.prompt] = self.tokenizer.encode(problem.prompt)
-            out.append(self._cache[problem.prompt])
-        return out
+        return [self.builder.prompt_ids(problem) for problem in problems]
 
     def response_texts(self, rollout: RolloutBatch) -> list[str]:
-        eos = self.tokenizer.eos_id
-        texts = []
-        for tokens in rollout.responses():
-            if tokens and tokens[-1] == eos:
-                tokens = tokens[:-1]
-            texts.append(self.tokenizer.decode(tokens))
-        return texts
+        return [self.builder.response_text(tokens) for tokens in rollout.responses()]

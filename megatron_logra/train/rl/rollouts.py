@@ -1,5 +1,9 @@
 """The rollout phase of an RL step: sample this DP rank's share of the step's prompts, score it,
-and compute the advantages of the whole global batch (identically on every rank)."""
+and compute the advantages of the whole global batch (identically on every rank).
+
+Under context parallelism the engine's share is per DP x CP rank (the CP ranks of a replica
+generate as extra data-parallel generators); the responses a replica trains on -- its data-
+parallel share, the union of its CP ranks' -- are then gathered over its CP group."""
 
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ from megatron_logra.rl.rollout import (
     SamplingParams,
     data_parallel_share,
 )
-from megatron_logra.train.rl.collectives import gather_dp
+from megatron_logra.train.rl.collectives import gather_cp, gather_dp
 from megatron_logra.train.rl.prompts import PromptEncoder
 
 
@@ -35,18 +39,24 @@ class ScoredRollouts:
         failed_grading: responses of the global batch whose grading failed (a grader timeout,
             a crashed or hung reward worker...): scored as incorrect by the reward's
             ``on_grader_failure=zero_reward``, counted here so the metrics show it.
+        truncated: responses of the global batch cut at rl.sampling.max_new_tokens (no stop
+            token).
+        texts: this rank's response texts (what the reward graded).
     """
 
     share: range
+    """Global indices of the responses this rank trains on (its DP replica's)."""
     rollout: RolloutBatch
     rewards: list[float]
     correct: list[bool]
     lengths: list[int]
     advantages: torch.Tensor
     failed_grading: int = 0
+    truncated: int = 0
+    texts: tuple[str, ...] = ()
 
 
-def sampling_params(rl: RLConfig, eos_id: int, *, evaluation: bool = False,
+def sampling_params(rl: RLConfig, stop_ids: tuple[int, ...], *, evaluation: bool = False,
                     greedy: bool = False) -> SamplingParams:
     """Training rollouts sample with rl.sampling, evaluations with rl.eval; greedy decodes."""
     if greedy:
@@ -56,7 +66,7 @@ def sampling_params(rl: RLConfig, eos_id: int, *, evaluation: bool = False,
     else:
         temperature, top_p = rl.sampling.temperature, rl.sampling.top_p
     return SamplingParams(max_new_tokens=rl.sampling.max_new_tokens, temperature=temperature,
-                          top_p=top_p, eos_id=eos_id)
+                          top_p=top_p, stop_ids=stop_ids)
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -77,14 +87,17 @@ def collect_rollouts(
 ) -> ScoredRollouts:
     """Sample, score and compute advantages for step ``step``'s global prompt list."""
     rollout = engine.generate(encoder.prompt_ids(problems),
-                              sampling_params(rl, encoder.eos_id),
+                              sampling_params(rl, encoder.stop_ids),
                               seed=step_seed(rl.seed, step))
     share = data_parallel_share(len(problems), groups.dp_rank, groups.dp_size)
-    scored = reward.score(encoder.response_texts(rollout), [problems[i].answer for i in share])
+    texts = encoder.response_texts(rollout)
+    scored = reward.score(texts, [problems[i].answer for i in share])
     all_correct = gather_dp(list(scored.correct), groups)
     all_rewards = gather_dp(list(scored.rewards), groups)
     all_lengths = gather_dp(rollout.response_lengths.tolist(), groups)
-    failed = sum(gather_dp([sum(s in FAILURE_STATUSES for s in scored.status)], groups))
+    counts = gather_dp([(sum(s in FAILURE_STATUSES for s in scored.status),
+                         int((~rollout.finished).sum()))], groups)
+    failed, truncated = (sum(column) for column in zip(*counts, strict=True))
     bad = [i for i, value in enumerate(all_rewards) if not math.isfinite(value)]
     if bad:
         # Every rank holds the gathered rewards, so every rank refuses here, before the loss.
@@ -98,8 +111,15 @@ def collect_rollouts(
             f"non-finite advantage at step {step + 1} (rewards all finite: the estimator's "
             "state is broken); no weight was changed"
         )
+    if groups.cp_size > 1:
+        share = data_parallel_share(len(problems), groups.data_rank, groups.data_size)
+        rollout = RolloutBatch.merged(gather_cp(rollout, groups))
+        if rollout.sequence_indices != tuple(share):
+            raise RuntimeError(
+                f"the CP group's responses {rollout.sequence_indices[:4]}... are not its "
+                f"data-parallel share {share}: the engine's DP x CP shares do not tile it")
     return ScoredRollouts(
         share=share, rollout=rollout, rewards=all_rewards, correct=all_correct,
         lengths=all_lengths, advantages=values[share.start : share.stop],
-        failed_grading=failed,
+        failed_grading=failed, truncated=truncated, texts=tuple(texts),
     )

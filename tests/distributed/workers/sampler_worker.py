@@ -238,14 +238,23 @@ def eos_checks(model, sampler, prompts, no_eos: RolloutBatch) -> dict[str, Any]:
     counts = {t: sum(t in r for r in responses) for r in responses for t in r}
     eos_batch = min(counts, key=lambda t: (-counts[t], t))
     eos_single = responses[0][2]
+    # A second stop token (as a chat template's end of turn beside EOS): the one that comes
+    # before the first EOS (or in a response without it) in the most responses.
+    def before_eos(response: list[int]) -> list[int]:
+        return response[: response.index(eos_batch)] if eos_batch in response else response
+
+    second_stop = min((t for t in counts if t != eos_batch), key=lambda t: (
+        -sum(t in before_eos(r) for r in responses), t))
     params = CONFIGS["sampled"]
     counter = ForwardCounter(model)
     forwards = {}
     try:
         runs = {
             "without_eos": (prompts, params),
-            "with_eos": (prompts, dataclasses.replace(params, eos_id=eos_batch)),
-            "single": (prompts[:1], dataclasses.replace(params, eos_id=eos_single)),
+            "with_eos": (prompts, dataclasses.replace(params, stop_ids=(eos_batch,))),
+            "with_stop_set": (prompts, dataclasses.replace(
+                params, stop_ids=(eos_batch, second_stop))),
+            "single": (prompts[:1], dataclasses.replace(params, stop_ids=(eos_single,))),
         }
         batches = {}
         for name, (run_prompts, run_params) in runs.items():
@@ -257,6 +266,7 @@ def eos_checks(model, sampler, prompts, no_eos: RolloutBatch) -> dict[str, Any]:
     return {
         "eos_batch": eos_batch,
         "eos_single": eos_single,
+        "second_stop": second_stop,
         "max_new_tokens": MAX_NEW,
         "reference": batch_record(no_eos),
         **{name: batch_record(batch) for name, batch in batches.items()},
@@ -272,7 +282,7 @@ def error_paths(chunks, groups, prompts) -> dict[str, str]:
         "empty_prompt": lambda: sampler.generate([[1], []], greedy, seed=0),
         "negative_seed": lambda: sampler.generate(prompts, greedy, seed=-1),
         "eos_out_of_vocab": lambda: sampler.generate(
-            prompts, dataclasses.replace(greedy, eos_id=VOCAB), seed=0
+            prompts, dataclasses.replace(greedy, stop_ids=(3, VOCAB)), seed=0
         ),
         "two_chunks": lambda: MegatronSampler(chunks * 2, groups, vocab_size=VOCAB),
         "vocab_too_large": lambda: MegatronSampler(chunks, groups, vocab_size=129),

@@ -71,7 +71,7 @@ def _rollouts(job: RLJob, groups, step: int) -> dict:
     """Step ``step``'s prompts sampled by the separate engine and by the colocated sampler."""
     cfg = job.cfg
     prompts = job.encoder.prompt_ids(job.schedule.step_problems(step))
-    params = sampling_params(cfg.rl, job.encoder.eos_id)
+    params = sampling_params(cfg.rl, job.encoder.stop_ids)
     seed = step_seed(cfg.rl.seed, step)
     colocated = MegatronSampler(job.setup.model_chunks, groups, vocab_size=job.vocab_size)
     ours = job.engine.generate(prompts, params, seed=seed)
@@ -172,7 +172,8 @@ def measure(args, cfg, groups):
             engine._procs.members[0].process.kill()
             engine._procs.members[0].process.wait()
             try:
-                engine.generate([[1, 2]], max_new_tokens=2, temperature=1.0, top_p=1.0, seed=0)
+                engine.generate([[1, 2]], max_new_tokens=2, temperature=1.0, top_p=1.0, seed=0,
+                                stop_token_ids=[1])
             except Exception as error:  # noqa: BLE001 -- the message is the measurement
                 return str(error)
             return "no error"
