@@ -13,9 +13,9 @@ XOR against other bits) and a BLAKE2b digest of the XOR bytes (a corrupt frame i
 the tensor). Tensors that did not change travel not at all (their base count stays). Full syncs
 reset the base as for every mode.
 
-"What the engine holds" is its exact state: the served weight, or, for a LoGRA target the engine
-keeps an fp32 shadow of (``sync.mode=low_rank`` / ``auto``), that fp32 master; the trainer XORs
-the same thing (:func:`megatron_logra.train.rl.policy_sync` chooses).
+"What the engine holds" is what the last full sync sent: the served weight, or, for a LoGRA target
+sent as its fp32 master (an engine shadow for low-rank records), that master; the trainer XORs
+the same thing (:mod:`megatron_logra.train.rl.policy_sync`: served weights in delta mode).
 
 Torch, the standard library and ``zstandard`` only: vLLM's workers load this in their own venv.
 """

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_logra.projection import DISTRIBUTIONS
+
 PROJECTION_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
 }
@@ -109,6 +111,11 @@ class LowRankUpdate:
         if self.projection_dtype not in PROJECTION_DTYPES:
             raise ValueError(f"projection_dtype {self.projection_dtype!r} is not one of "
                              f"{sorted(PROJECTION_DTYPES)}")
+        # Checked here, not where A is regenerated: an engine rank regenerates A only for the
+        # pieces its shard holds, so only some ranks would refuse the record.
+        if self.distribution not in DISTRIBUTIONS:
+            raise ValueError(f"{self.layer_key}: projection distribution "
+                             f"{self.distribution!r} is not one of {DISTRIBUTIONS}")
 
     @property
     def param_name(self) -> str:

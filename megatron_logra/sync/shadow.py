@@ -15,8 +15,10 @@ layer, the expected and the received count); dense values must be newer than the
 that parameter; a delta (:mod:`megatron_logra.sync.delta`) must be against the update the
 engine holds. A refused record changes nothing.
 
-Under ``sync.mode=delta`` the shadow has no targets: it holds the served weights only and XORs
-each delta into them (no fp32 master on the engine).
+A full sync says what the engine holds of each target: its fp32 master (a shadow, which
+low-rank records replay on) or its served weight only (sent in the served dtype: delta and full
+sync, including ``auto``'s delta on an engine started for low-rank records), so an engine that
+delta-syncs keeps no fp32 master and XORs each delta into its served weights.
 
 Shape suffixes: O = rows, I = input columns, R = sketch rank.
 """
@@ -117,22 +119,31 @@ class EngineShadow:
     """fp32 shadows of the target weights and the served weights cast from them.
 
     Args:
-        target_names: parameter names of the LoGRA targets (``<layer_key>.weight``).
+        target_names: parameter names of the LoGRA targets (``<layer_key>.weight``) low-rank
+            records may update; a full sync sends each as its fp32 master (shadowed) or as its
+            served weight (not shadowed: low-rank records for it are refused).
         served_dtype: the dtype the engine computes with (the trainer's parameter dtype).
         shards: the part of each named tensor this engine rank keeps (its TP shard); a name
             without one is kept whole. Records still address the full (TP=1) tensors: the
             shadow slices what arrives and replays only the merges that touch its shard.
         replay_device: where merges run (the shadow stays in host memory): a device of the
             kind the trainer merges on (:mod:`megatron_logra.sync.replay_device`).
+        model_shapes: the full (TP=1) shape of every weight the engine's model holds, where
+            the engine knows them: a full sync must send exactly these names and shapes. Every
+            engine rank checks the whole record alike, so none takes a full sync another
+            refuses (a shard's own fit would catch only some ranks).
     """
 
     def __init__(self, target_names: Iterable[str], *, served_dtype: torch.dtype,
                  shards: Mapping[str, TensorShard] | None = None,
-                 replay_device: torch.device = HOST) -> None:
+                 replay_device: torch.device = HOST,
+                 model_shapes: Mapping[str, tuple[int, ...]] | None = None) -> None:
         self.target_names = frozenset(target_names)
         self.replay_device = replay_device
         self.served_dtype = served_dtype
         self.shards: dict[str, TensorShard] = dict(shards or {})
+        self.model_shapes = None if model_shapes is None else {
+            name: tuple(shape) for name, shape in model_shapes.items()}
         self.masters: dict[str, torch.Tensor] = {}
         self.served: dict[str, torch.Tensor] = {}
         """Per name, the served tensor of this rank's shard (the full tensor without one)."""
@@ -218,6 +229,12 @@ class EngineShadow:
                 f"{first.update_count}; the partial full sync was dropped: restart it from "
                 "bucket 0"
             )
+        problem = self._model_shape_problem(bucket)
+        if problem is not None:
+            self._pending = []
+            raise RuntimeError(f"full sync bucket {bucket.index} of {bucket.num_buckets} (update "
+                               f"{bucket.update_count}): {problem}; the partial full sync was "
+                               "dropped")
         self._pending.append(bucket)
         if len(self._pending) < bucket.num_buckets:
             return
@@ -229,29 +246,46 @@ class EngineShadow:
         unknown = sorted(self.shards.keys() - tensors.keys())
         if unknown:
             raise RuntimeError(f"full sync lacks weights the engine shards: {unknown[:4]}")
+        if self.model_shapes is not None and tensors.keys() != self.model_shapes.keys():
+            raise RuntimeError(f"full sync lacks weights of the engine's model: "
+                               f"{sorted(self.model_shapes.keys() - tensors.keys())[:4]}")
         masters, served, shapes = {}, {}, {}
         for name, tensor in tensors.items():
             shapes[name] = tuple(tensor.shape)
             part = self.shard_of(name, shapes[name]).take(tensor)
-            if name in self.target_names:
-                if tensor.dtype != torch.float32:
-                    raise RuntimeError(
-                        f"full sync sent {name} as {tensor.dtype}; targets travel as their fp32 "
-                        "master (the shadow must start from the exact state)"
-                    )
-                masters[name] = part
+            if name in self.target_names and tensor.dtype == torch.float32:
+                masters[name] = part  # the exact state: low-rank records replay on it
                 served[name] = self._cast(masters[name])
+            elif name in self.target_names and tensor.dtype != self.served_dtype:
+                raise RuntimeError(
+                    f"full sync sent target {name} as {tensor.dtype}: a target travels as its "
+                    f"fp32 master (low-rank sync) or as the served {self.served_dtype} weight "
+                    "(delta and full sync)"
+                )
             else:
                 served[name] = part.to(self.served_dtype)
         self.masters, self.served, self.full_shapes = masters, served, shapes
         self.counts = dict.fromkeys(tensors, bucket.update_count)
+
+    def _model_shape_problem(self, bucket: FullSyncBucket) -> str | None:
+        if self.model_shapes is None:
+            return None
+        for name, tensor in bucket.tensors.items():
+            shape = self.model_shapes.get(name)
+            if shape is None:
+                return f"{name} is not a weight of the engine's model"
+            if tuple(tensor.shape) != shape:
+                return (f"{name} has shape {tuple(tensor.shape)}, the engine's model "
+                        f"{shape}")
+        return None
 
     def apply_low_rank(self, update: LowRankUpdate) -> None:
         name = update.param_name
         if name not in self.masters:
             raise RuntimeError(
                 f"low-rank update {update.update_count} of {update.layer_key}: the engine has no "
-                "shadow of it (no full sync yet, or not a target)"
+                "shadow of it (no full sync yet, not a target, or the last full sync sent its "
+                "served weight, not its fp32 master: delta or full sync)"
             )
         expected = self.counts[name] + 1
         if update.update_count != expected:

@@ -115,6 +115,19 @@ def test_engine_refuses_a_repeated_and_a_gapped_update_and_changes_nothing(engin
     assert engine_run["mismatches_after_refusals"] == []
 
 
+def test_every_engine_rank_refuses_a_full_sync_of_another_shape_and_the_reply_names_both(
+        engine_run):
+    # decoder.layers.0.mlp.linear_fc2.weight with 3/4 of its input columns: engine rank 0's
+    # column shard fits it, rank 1's does not. Each rank's status reaches the reply (issue 21
+    # item 6), and every rank checks the model's shapes alike, so none takes a full sync another
+    # refuses (before: rank 0 took it, and the reply named rank 1 alone).
+    message = engine_run["narrow_full_sync"]
+    assert "refused sync: engine ranks 0, 1: RuntimeError: full sync bucket" in message
+    assert "decoder.layers.0.mlp.linear_fc2.weight has shape" in message
+    assert "the partial full sync was dropped" in message
+    assert engine_run["mismatches_after_narrow_full_sync"] == []
+
+
 def test_a_checksum_mismatch_triggers_a_full_sync_that_restores_equality(engine_run):
     forced = engine_run["forced_mismatch"]
     assert forced["sync_weights_match"] is False

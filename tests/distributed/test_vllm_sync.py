@@ -10,13 +10,16 @@ than their trainer's:
   rows, fc1's [gate_t; up_t], row-parallel column slices; Adam's non-targets shipped dense) ->
   vLLM TP=1, started from the Hugging Face checkpoint the trainer writes, fully synced at start,
   low-rank synced after every update and checked after every step; then resumed from its
-  step-1 checkpoint with a new engine, continuing it exactly;
+  step-1 checkpoint with a new engine synced by delta (``sync.mode=delta``), continuing it
+  exactly;
 * a trainer job (tests/distributed/workers/vllm_sync_worker.py, 2 processes, 4 LoGRA updates)
   in paper mode, bf16 weights with fp32 masters, DP=2, which writes the checkpoint and the
   stream of wire records it would send -> vLLM TP=2 (its own sharding), fed that stream here
   over ``sync.transport=collective``: each record's header over the pipes, its tensor bytes
   broadcast from this process to both vLLM workers over a gloo group of their own (the RL job
-  above uses the default rpc transport, so both transports are exercised).
+  above uses the default rpc transport, so both transports are exercised); then, on the same
+  engine, the delta streams of bf16 dense Adam, LoRA and LoGRA trainers (the worker's delta
+  case) and corrupt, out-of-order and repeated deltas.
 
 The weight check reads vLLM's parameters back from its workers (not the shadow) and compares
 digests with the trainer's weights in the Hugging Face layout. Without ``.venv-vllm`` the
@@ -96,9 +99,12 @@ RL_OVERRIDES = [
 
 
 # The RL run saves a checkpoint after every step; the resumed run starts from step RESUME_AT's
-# (a copy) with a fresh vLLM engine and runs the remaining steps.
+# (a copy) with a fresh vLLM engine and runs the remaining steps, syncing it by delta (the XOR
+# of the served fp32 weights: the engine keeps no shadow) where the run it continues synced
+# low-rank records: the mode must not change what vLLM serves.
 RESUME_AT = 1
 CHECKPOINTED = ["checkpoint.interval=1"]
+RESUMED_BY_DELTA = [*CHECKPOINTED, "sync.mode=delta"]
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +125,7 @@ def rl_run_with_tp1_vllm_engine(vllm_rl_runs) -> list[dict]:
 @pytest.fixture(scope="module")
 def resumed_rl_run_with_tp1_vllm_engine(vllm_rl_runs, rl_run_with_tp1_vllm_engine) -> list[dict]:
     run = vllm_rl_runs.forked("tp2_fp32_trainer_resumed", "tp2_fp32_trainer", RESUME_AT,
-                              (2, CHECKPOINTED))
+                              (2, RESUMED_BY_DELTA))
     return _sync_steps(run)
 
 
@@ -141,10 +147,13 @@ RESUME_REL_TOL = 1e-5
 # of each invocation) and the low-rank bytes, whose record headers carry the step's lr as a
 # shortest-repr decimal, one character longer or shorter with its last digits.
 NOT_COMPARED = ("mem_bytes", "state_bytes", "host_state_bytes", "sync_bytes")
+# The resumed run's sync mode (delta, with its changed fraction): asserted on its own below.
+SYNC_MODE_KEYS = ("sync_mode", "sync_changed_fraction")
 
 
 def _computed(record: dict) -> dict:
-    return {k: v for k, v in record.items() if not k.endswith("_s") and k not in NOT_COMPARED}
+    return {k: v for k, v in record.items()
+            if not k.endswith("_s") and k not in NOT_COMPARED + SYNC_MODE_KEYS}
 
 
 def _assert_continues(got: dict, want: dict) -> None:
@@ -213,6 +222,23 @@ def test_resumed_rl_run_resyncs_a_fresh_vllm_engine_and_continues_the_uninterrup
         assert got["sync_weights_match"] is True
         assert 0 < got["sync_bytes"] < got["sync_full_bytes"]
         _assert_continues(got, want)
+
+
+def test_delta_sync_keeps_a_fresh_fp32_vllm_engine_bit_for_bit_and_serves_what_low_rank_did(
+        rl_run_with_tp1_vllm_engine, resumed_rl_run_with_tp1_vllm_engine):
+    """The resumed steps synced by delta (library-mode LoGRA with Adam-trained non-targets, fp32,
+    TP=2 trainer -> vLLM TP=1, no shadow on the engine, the rpc transport): weights checked
+    after every step, read back from vLLM. Their tokens and rewards repeat the low-rank run's
+    exactly (the test above): vLLM sampled from the same weights either way."""
+    full, resumed = rl_run_with_tp1_vllm_engine, resumed_rl_run_with_tp1_vllm_engine
+    assert {r["sync_mode"] for r in full} == {"low_rank"}
+    for r in resumed[RESUME_AT:]:
+        assert r["sync_mode"] == "delta"
+        assert r["sync_weights_match"] is True
+        # fp32 with weight decay: every entry's bits change in a step (measured: all of them),
+        # so the delta is the zstd of a dense XOR, still below a full sync's bytes.
+        assert 0 < r["sync_changed_fraction"] <= 1
+        assert 0 < r["sync_bytes"] < r["sync_full_bytes"]
 
 
 def test_vllm_serves_the_trainers_weights_bit_for_bit_after_4_low_rank_updates(tp2_engine_of_dp2_bf16_trainer):
@@ -289,3 +315,106 @@ def test_engine_start_without_the_vllm_venv_fails_naming_make_setup_vllm(tmp_pat
     engine = VLLMEngine(tmp_path, target_names=[], venv=tmp_path / "no-venv")
     with pytest.raises(RuntimeError, match="run `make setup-vllm`"):
         engine.start()
+
+
+# ---------------------------------------------------------------------- sync.mode=delta, bf16
+# The dp2 test's TP=2 bf16 vLLM engine, after its low-rank tests, serves three more trainers of
+# the same model (tests/distributed/workers/vllm_sync_worker.py's delta case, trainer TP=2):
+# dense Adam, LoRA (served merged) and LoGRA paper mode, each opened by a full sync of its served
+# weights -- which resets the engine's counts and weights, and, its targets arriving in bf16,
+# leaves no fp32 master of them (the engine was started with a shadow for low-rank records) --
+# then one delta per update. Then the low-rank stream again, so the engine ends as the low-rank
+# tests left it. (fp32 served weights: the resumed RL run above syncs by delta.)
+DELTA_UPDATES = 3
+
+
+@pytest.fixture(scope="module")
+def bf16_delta_streams(synthetic_data_dir, tmp_path_factory) -> tuple[dict, dict]:
+    out = tmp_path_factory.mktemp("vllm_delta_streams")
+    run_torchrun(2, [str(WORKERS / "vllm_sync_worker.py"), "--case", "delta", "--out", str(out),
+                     "--data", str(synthetic_data_dir), "--updates", str(DELTA_UPDATES)])
+    return (json.loads((out / "result.json").read_text()),
+            pickle.loads((out / "delta_streams.pkl").read_bytes()))
+
+
+def _refusal(engine: VLLMEngine, payload: bytes) -> str:
+    try:
+        engine.apply_sync(payload)
+    except RuntimeError as error:
+        return str(error)
+    return "accepted"
+
+
+def _bad_deltas(updates: list[list[bytes]]) -> dict[str, tuple[bytes, str]]:
+    """Against an engine holding update 1: update 2's bucket with the last tensor's frame
+    corrupted in transit (its other tensors intact), update 3's bucket (out of order), update
+    1's bucket again (repeated); each with the tensor its refusal must name."""
+    bucket = max((decode(p) for p in updates[2]), key=lambda b: len(b.tensors))
+    assert len(bucket.tensors) > 1
+    name, delta = list(bucket.tensors.items())[-1]
+    frame = bytearray(delta.frame)
+    frame[len(frame) // 2] ^= 0xFF
+    corrupt = dataclasses.replace(bucket, tensors={
+        **bucket.tensors, name: dataclasses.replace(delta, frame=bytes(frame))})
+    ahead = decode(updates[3][0])
+    ahead_name = next(n for n, t in ahead.tensors.items() if t.base_count == 2)
+    again = decode(updates[1][0])
+    return {"corrupt": (encode(corrupt, wire_dtype="fp32"), name),
+            "out of order": (updates[3][0], ahead_name),
+            "repeated": (updates[1][0], next(iter(again.tensors)))}
+
+
+@pytest.fixture(scope="module")
+def bf16_delta_synced_vllm(tp2_engine_of_dp2_bf16_trainer, bf16_delta_streams):
+    engine, _, low_rank_stream = tp2_engine_of_dp2_bf16_trainer
+    result, streams = bf16_delta_streams
+    served: dict[str, list[dict]] = {}
+    refusals: dict[str, tuple[str, str]] = {}
+    after_refusals = None
+    for optimizer, updates in streams.items():
+        served[optimizer] = []
+        for update, payloads in enumerate(updates):
+            for payload in payloads:
+                engine.apply_sync(payload)
+            served[optimizer].append(engine.weight_checksums())
+            if update == 1 and not refusals:
+                bad = _bad_deltas(updates)
+                refusals = {kind: (_refusal(engine, payload), name)
+                            for kind, (payload, name) in bad.items()}
+                after_refusals = (optimizer, engine.weight_checksums())
+    for payload in low_rank_stream:  # the engine as the low-rank tests leave it
+        engine.apply_sync(payload)
+    return result, served, refusals, after_refusals
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "lora", "logra"])
+def test_vllm_serves_the_trainers_bf16_weights_bit_for_bit_after_every_delta_synced_update(
+        bf16_delta_synced_vllm, optimizer):
+    result, served, _, _ = bf16_delta_synced_vllm
+    trainer = result[optimizer]
+    # Every weight, read back from both vLLM workers in the Hugging Face layout, after the full
+    # sync and after each of the 3 deltas (with the refused deltas between 1 and 2 for Adam).
+    assert len(served[optimizer]) == DELTA_UPDATES + 1
+    assert served[optimizer] == trainer["checksums"]
+    # Not the trivial equality: every update changed the served weights (measured 16-23% of
+    # the entries for Adam and LoGRA, 85% for LoRA, whose merged B A moves every entry).
+    for before, after in zip(trainer["checksums"], trainer["checksums"][1:], strict=False):
+        assert before != after
+    assert all(0 < f < 1 for f in trainer["changed_fraction"])
+    assert all(0 < b < trainer["bytes"][0] for b in trainer["bytes"][1:])  # below a full sync
+
+
+def test_vllm_refuses_a_corrupt_an_out_of_order_and_a_repeated_delta_naming_the_tensor(
+        bf16_delta_synced_vllm):
+    result, _, refusals, (optimizer, after) = bf16_delta_synced_vllm
+    message, name = refusals["corrupt"]
+    assert f"refusing delta of {name} (update base 1)" in message
+    assert "corrupt" in message or "do not match their checksum" in message
+    message, name = refusals["out of order"]
+    assert (f"refusing delta of {name} to update 3: it is against update 2, the engine holds "
+            "update 1 (out of order)") in message
+    message, name = refusals["repeated"]
+    assert f"refusing delta of {name} to update 1" in message and "(repeated)" in message
+    # Nothing changed: not the corrupt bucket's intact tensors either (every tensor is checked
+    # before any is applied).
+    assert after == result[optimizer]["checksums"][1]

@@ -137,6 +137,16 @@ def test_shadow_refuses_repeated_and_out_of_order_updates_naming_layer_and_count
     assert torch.equal(engine.masters[NAME], before)
 
 
+def test_a_record_of_an_unknown_projection_distribution_is_refused_whole_at_decode():
+    """Every engine rank decodes the whole record, but regenerates A only for the pieces its
+    shard holds: an unknown distribution refused there would be refused by some ranks only."""
+    piece = FactorPiece(((0, ROWS),), 0, COLS, torch.ones(ROWS, SKETCH_RANK))
+    record = _record(1, [piece], lr=1.0, weight_decay=0.0)
+    payload = encode(record, wire_dtype="fp32").replace(b'"rademacher"', b'"rademachex"')
+    with pytest.raises(ValueError, match=f"{KEY}: projection distribution 'rademachex'"):
+        decode(payload)
+
+
 def test_combining_rank_records_keeps_one_copy_of_replicated_pieces():
     factor = torch.ones(ROWS, SKETCH_RANK)
     replica = [_record(1, [FactorPiece(((0, ROWS),), 0, COLS, factor)], lr=1.0, weight_decay=0.0)]

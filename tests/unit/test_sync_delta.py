@@ -14,7 +14,7 @@ import torch
 
 from megatron_logra.bf16_remainder import round_to_bf16
 from megatron_logra.sync.delta import delta_buckets, xor_bits
-from megatron_logra.sync.records import full_sync_buckets
+from megatron_logra.sync.records import FactorPiece, LowRankUpdate, full_sync_buckets
 from megatron_logra.sync.shadow import EngineShadow
 from megatron_logra.sync.shard import megatron_tp_shard
 from megatron_logra.sync.wire import decode, encode
@@ -155,3 +155,39 @@ def test_unchanged_tensors_travel_not_at_all():
     assert [list(b.tensors) for b in buckets] == [[FC1]]
     assert delta_buckets(weights, weights, dict.fromkeys(weights, 0), update_count=1,
                          bucket_bytes=BUCKET_BYTES) == []
+
+
+def test_a_full_sync_of_served_bf16_targets_leaves_no_master_and_deltas_keep_them_exact():
+    """An engine started for low-rank records (a shadow of FC1) that the trainer delta-syncs
+    instead (auto's fallback): the full sync sends FC1's served bf16 weight, so the engine keeps
+    no fp32 master of it, the deltas carry only the bf16 bits that flip, and a low-rank record
+    for FC1 is refused naming the layer until a full sync sends the master again."""
+    generator = torch.Generator().manual_seed(4)
+    weights = _weights(torch.bfloat16, generator)
+    engine = EngineShadow([FC1], served_dtype=torch.bfloat16)
+    _full_sync(engine, weights)
+    assert engine.masters == {}
+    counts = dict.fromkeys(weights, 0)
+    for update in range(1, 4):
+        new = _step(weights, generator)
+        for payload in _ship(engine, new, weights, counts, update):
+            counts.update(dict.fromkeys(decode(payload).tensors, update))  # what changed
+        weights = new
+        assert all(torch.equal(engine.served[n], t) for n, t in weights.items())
+        assert engine.masters == {}
+    piece = FactorPiece(((0, ROWS),), 0, COLS, torch.ones(ROWS, 4))
+    record = LowRankUpdate(layer_key=FC1.removesuffix(".weight"), update_count=4, seed=0,
+                           projection_count=0, distribution="rademacher", sketch_rank=4,
+                           in_features=COLS, projection_dtype="bfloat16", lr=1e-3,
+                           weight_decay=0.0, pieces=(piece,))
+    with pytest.raises(RuntimeError, match="no shadow of it .* sent its served weight"):
+        engine.apply(record)
+    master = torch.randn(ROWS, COLS, generator=generator)
+    for bucket in full_sync_buckets({FC1: master, NORM: weights[NORM]}, update_count=3,
+                                    bucket_bytes=BUCKET_BYTES):
+        engine.apply(decode(encode(bucket, wire_dtype="fp32")))
+    assert torch.equal(engine.masters[FC1], master)
+    engine.apply(record)  # replayed on the master again
+    # Another dtype than the master's or the served weight's is refused by name.
+    with pytest.raises(RuntimeError, match=f"full sync sent target {FC1} as torch.float16"):
+        _full_sync(engine, {FC1: master.half(), NORM: weights[NORM]})

@@ -137,3 +137,51 @@ def test_megatron_tp_shard_takes_the_rows_and_columns_megatron_slices():
     assert torch.equal(proj.take(full), full[:, 4:6])
     with pytest.raises(ValueError, match="does not split into 4 shards with stride 2"):
         megatron_tp_shard((12, 6), 0, 2, 0, 4)
+
+
+def test_every_engine_rank_refuses_a_full_sync_tensor_of_another_shape_alike():
+    """A shard's own fit is rank-dependent: fc2 sent with 24 of its 32 input columns fits engine
+    TP rank 0's columns 0-15 but not rank 1's 16-31, so rank 0 alone took the full sync. Told
+    its model's shapes, every rank refuses it with the same message, drops the partial full
+    sync and keeps what it held."""
+    fc2 = "decoder.layers.0.mlp.linear_fc2.weight"
+    generator = torch.Generator().manual_seed(1)
+    state = {name: torch.randn(shape, generator=generator) for name, (shape, _, _) in
+             TENSORS.items()}
+    good = [encode(b, wire_dtype="fp32")
+            for b in full_sync_buckets(state, update_count=0, bucket_bytes=2048)]
+    narrow = full_sync_buckets({**state, fc2: state[fc2][:, :24]}, update_count=3,
+                               bucket_bytes=2048)
+    assert len(narrow) > 2 and fc2 not in narrow[0].tensors  # refused after a taken bucket
+
+    def fed(stream: list[bytes], rank: int, model_shapes) -> tuple[EngineShadow, str | None]:
+        shadow = EngineShadow(TARGETS, served_dtype=torch.float32, shards=_shards(rank, 2),
+                              model_shapes=model_shapes)
+        for payload in good:
+            shadow.apply(decode(payload))
+        try:
+            for payload in stream:
+                shadow.apply(decode(payload))
+        except RuntimeError as error:
+            return shadow, str(error)
+        return shadow, None
+
+    stream = [encode(b, wire_dtype="fp32") for b in narrow]
+    shard_fit = [fed(stream, rank, None)[1] for rank in range(2)]
+    assert shard_fit[0] is None and "does not fit the full tensor (24, 24)" in shard_fit[1]
+    model_shapes = {name: shape for name, (shape, _, _) in TENSORS.items()}
+    refusals = []
+    for rank in range(2):
+        shadow, message = fed(stream, rank, model_shapes)
+        refusals.append(message)
+        assert shadow.counts == dict.fromkeys(TENSORS, 0)  # what it held before
+        assert torch.equal(shadow.served[fc2], _shards(rank, 2)[fc2].take(state[fc2]))
+        for payload in good:  # the dropped partial sync does not block the next full sync
+            shadow.apply(decode(payload))
+    assert refusals[0] == refusals[1]
+    assert f"{fc2} has shape (24, 24), the engine's model (24, 32)" in refusals[0]
+    assert "the partial full sync was dropped" in refusals[0]
+    unknown = full_sync_buckets({**state, "extra.weight": torch.zeros(2)}, update_count=1,
+                                bucket_bytes=1 << 20)
+    assert "extra.weight is not a weight of the engine's model" in fed(
+        [encode(b, wire_dtype="fp32") for b in unknown], 0, model_shapes)[1]

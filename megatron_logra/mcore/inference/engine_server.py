@@ -46,7 +46,6 @@ from megatron_logra.rl.rollout import SamplingParams
 from megatron_logra.rollout.megatron_engine import AUTHKEY_ENV, ENGINE_PROTOCOL
 from megatron_logra.rollout.rpc import disable_nagle
 from megatron_logra.sync.checksum import weight_checksum
-from megatron_logra.sync.records import FullSyncBucket
 from megatron_logra.sync.replay_device import replay_device
 from megatron_logra.sync.shadow import EngineShadow
 from megatron_logra.sync.shard import megatron_tp_shard
@@ -77,9 +76,12 @@ class EngineRank:
         shards = {name: megatron_tp_shard(full_shape(param, tp_size), *partition_of(param),
                                           tp_rank, tp_size)
                   for name, param in self.params.items()}
+        # Full syncs are checked against the model's names and full shapes on every rank alike:
+        # a shard's own fit alone let rank 0 take a tensor of another shape that rank 1 refused.
         self.shadow = EngineShadow(targets, served_dtype=_PARAMS_DTYPES[cfg.model.params_dtype],
-                                   shards=shards)
-        self._full_names: set[str] = set()  # names of the full sync in progress
+                                   shards=shards,
+                                   model_shapes={name: full_shape(param, tp_size)
+                                                 for name, param in self.params.items()})
         self.channel: TensorChannel | None = None  # sync.transport=collective
 
     def handle(self, op: str, body: Any) -> Any:
@@ -127,16 +129,6 @@ class EngineRank:
 
     def _sync(self, payload: bytes) -> dict:
         record = decode(payload)
-        if isinstance(record, FullSyncBucket):
-            if record.index == 0:
-                self._full_names = set()
-            self._full_names |= set(record.tensors)
-            if record.index == record.num_buckets - 1:
-                known, sent = set(self.params), self._full_names
-                if sent != known:
-                    raise RuntimeError(
-                        f"full sync names differ from the engine's parameters: missing "
-                        f"{sorted(known - sent)[:4]}, unknown {sorted(sent - known)[:4]}")
         changed = self.shadow.apply(record)  # raises, changing nothing, on a refused record
         with torch.no_grad():
             for name in changed:

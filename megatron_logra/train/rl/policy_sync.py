@@ -18,7 +18,8 @@ the other optimizers.
 
 What the engine holds, and so what a full sync and a delta carry: with low-rank records (the
 engine keeps an fp32 shadow of the targets) the exact state, fp32 masters of the targets;
-otherwise the served weights in their own dtype (no shadow on the engine).
+otherwise the served weights in their own dtype (no fp32 master on the engine, also where it
+was started with a shadow and ``auto`` fell back to delta).
 
 Every method is collective over the trainer world; world rank 0 talks to the engine while the
 others wait as long as it takes (:class:`~megatron_logra.train.rl.engine_waits.EngineWaits`),
@@ -86,10 +87,12 @@ class PolicySync:
         logra = setup.logra
         targets = frozenset() if logra is None else frozenset(
             f"{t.layer_key}.weight" for t in logra.targets)
-        # The engine was started with a shadow of these (engine_shadow_targets).
-        self.shadowed = bool(engine_shadow_targets(cfg, logra is not None))
         if self.mode == "low_rank":
             self.mode = self._low_rank_or_delta()
+        # The engine holds what the full syncs send: the targets' fp32 masters only for low-rank
+        # records to replay on. Delta (auto's too, on an engine started with a shadow) hands it
+        # the served weights, so a delta carries only the bits that flip in the served dtype.
+        self.shadowed = self.mode == "low_rank"
         if logra is not None:
             expected = frozenset(target_param_names(cfg.logra.targets, cfg.model.num_layers))
             mine = frozenset(targets)

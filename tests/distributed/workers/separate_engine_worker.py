@@ -13,6 +13,9 @@ non-targets ship dense) with ``rollout.placement=separate`` and the Megatron eng
 * ``after_steps_rollout``: the two rollouts again, on the trained weights;
 * ``refusals``: the engine's answers to the last low-rank record sent again (repeated) and
   to that record two updates ahead (a gap), and the weight check after them;
+* ``narrow_full_sync``: the engine's answer to a full sync of the current state with one
+  row-parallel weight's columns cut to 3/4 (only engine TP rank 1's shard does not fit it), and
+  the weight check after it;
 * ``forced_mismatch``: one ulp changed in one element of a trainer target weight outside the
   optimizer, one more step: its metrics (the check must fail and the full sync restore
   equality) and the weight check after it;
@@ -37,10 +40,10 @@ from harness import Case, run_worker
 from megatron_logra.config import load_config
 from megatron_logra.mcore import MegatronSampler
 from megatron_logra.mcore.models.sharding import global_named_parameters
-from megatron_logra.mcore.models.sync_state import served_weights
+from megatron_logra.mcore.models.sync_state import exact_state, served_weights
 from megatron_logra.rollout.factory import make_engine
 from megatron_logra.sync.checksum import weight_checksums
-from megatron_logra.sync.records import LowRankUpdate
+from megatron_logra.sync.records import LowRankUpdate, full_sync_buckets
 from megatron_logra.sync.wire import decode, encode
 from megatron_logra.train.rl.collectives import from_world_rank0
 from megatron_logra.train.rl.engine_waits import EngineWaits
@@ -90,6 +93,24 @@ def _rollouts(job: RLJob, groups, step: int) -> dict:
         "finished_equal": torch.equal(ours.finished, theirs.finished),
         "max_logprob_diff": float((ours.logprobs - theirs.logprobs).abs().max()),
     }
+
+
+def _narrow_full_sync(job: RLJob, groups, apply) -> str | None:
+    """The engine's answer to a full sync of the current state in which PERTURBED (row-parallel)
+    lacks a quarter of its input columns: engine TP rank 0's column shard fits that tensor, rank
+    1's does not."""
+    state = exact_state(job.setup, groups, dist.group.WORLD)
+    cut = {**state, PERTURBED: state[PERTURBED][:, : 3 * state[PERTURBED].shape[1] // 4]}
+
+    def send() -> str | None:
+        try:
+            for bucket in full_sync_buckets(cut, update_count=job.sync.update_count(),
+                                            bucket_bytes=job.cfg.sync.bucket_bytes):
+                apply(encode(bucket, wire_dtype="fp32"))
+        except Exception as error:  # noqa: BLE001 -- the message is the measurement
+            return str(error)
+        return None
+    return from_world_rank0(send, "narrow full sync")
 
 
 def measure(args, cfg, groups):
@@ -142,6 +163,9 @@ def measure(args, cfg, groups):
             return answers
         report["refusals"] = from_world_rank0(refuse, "refusals")
         report["mismatches_after_refusals"] = job.sync.mismatched()
+        report["narrow_full_sync"] = _narrow_full_sync(
+            job, groups, apply if engine is not None else None)
+        report["mismatches_after_narrow_full_sync"] = job.sync.mismatched()
 
         with torch.no_grad():
             for chunk in job.setup.model_chunks:

@@ -16,6 +16,13 @@ and writes under ``--out`` (rank 0):
 
 Case ``dp2``: paper mode, bf16 weights with fp32 masters, bf16 factors on the wire, DP=2. (The
 fp32 TP=2 library-mode trainer of the vLLM tests is the RL job itself, through the CLI.)
+
+Case ``delta``: ``sync.mode=delta`` streams of bf16 weights at TP=2, one per optimizer (dense
+Adam, LoRA served merged, LoGRA paper mode), for the dp2 case's vLLM engine (same model and
+tokenizer): ``delta_streams.pkl`` holds per optimizer the wire bytes of each update in order --
+a full sync of the served weights (targets in bf16: no fp32 master on the engine), then per
+update the delta buckets against the previous update, as ``PolicySync`` ships them -- and
+``result.json`` the trainer's checksums in the Hugging Face layout after each.
 """
 
 from __future__ import annotations
@@ -39,9 +46,11 @@ from megatron_logra.mcore.conversion import (
     write_safetensors,
 )
 from megatron_logra.mcore.models.gpt import build_model_chunks
+from megatron_logra.mcore.models.sync_state import served_weights
 from megatron_logra.mcore.training.setup import setup_training
 from megatron_logra.mcore.training.step import train_step
 from megatron_logra.sync.checksum import weight_checksums
+from megatron_logra.sync.delta import delta_buckets
 from megatron_logra.sync.records import DenseUpdate, combine_rank_records, full_sync_buckets
 from megatron_logra.sync.wire import encode
 from tests.presets import SWIGLU_RMSNORM_NO_BIAS, tiny_gpt
@@ -133,11 +142,71 @@ def measure(args, cfg, groups):
     }
 
 
+# Step sizes at which a bf16 step flips a few to some tens of percent of the entries.
+DELTA_CASES: dict[str, list[str]] = {
+    "adam": ["optimizer.name=adam", "optimizer.lr=1e-5"],
+    "lora": ["optimizer.name=lora", "optimizer.lr=1e-3", "lora.lora_rank=4"],
+    "logra": ["optimizer.name=logra", "logra.mode=paper", "logra.update_factor_dtype=bf16",
+              "logra.update_ratio=1e-3"],
+}
+
+
+def delta_cfg(args, world: int, optimizer: str = "adam"):
+    overrides = ["parallel.device=cpu", *MODEL, "train.micro_batch_size=2",
+                 f"train.global_batch_size={GLOBAL_BATCH}", "parallel.tp=2",
+                 "model.params_dtype=bf16", f"data.dir={args.data}", *DELTA_CASES[optimizer]]
+    return load_config(None, overrides).resolved(world)
+
+
+def _delta_stream(args, groups, optimizer: str) -> tuple[list[list[bytes]], dict]:
+    """What PolicySync ships in delta mode over ``args.updates`` real steps (rank 0)."""
+    cfg = delta_cfg(args, groups.world_size, optimizer)
+    tokenizer = load_tokenizer(cfg.data.dir)
+    schedule = LMBatchSchedule(load_tokens(cfg.data.dir), seq_length=SEQ_LENGTH,
+                               global_batch_size=GLOBAL_BATCH, seed=cfg.train.seed)
+    setup = setup_training(cfg, build_model_chunks(cfg, groups, tokenizer.vocab_size), groups)
+    arch = architecture_from_hf_config(hf_config_from_model_config(
+        cfg.model, vocab_size=tokenizer.vocab_size, dtype=torch.bfloat16))
+    rank0 = dist.get_rank() == 0
+    state = served_weights(setup.model_chunks, groups)
+    updates = [[encode(b, wire_dtype="fp32") for b in full_sync_buckets(
+        state, update_count=0, bucket_bytes=BUCKET_BYTES)] if rank0 else []]
+    counts = dict.fromkeys(state, 0)
+    checksums = [weight_checksums(sorted(_hf_weights(state, arch, torch.bfloat16).items()))]
+    changed = []
+    for update in range(1, args.updates + 1):
+        train_step(setup, schedule.microbatches(update, dp_rank=groups.dp_rank,
+                                                dp_size=groups.dp_size, micro_batch_size=2),
+                   groups=groups, seq_length=SEQ_LENGTH, micro_batch_size=2)
+        new = served_weights(setup.model_chunks, groups)
+        if rank0:
+            buckets = delta_buckets(new, state, counts, update_count=update,
+                                    bucket_bytes=BUCKET_BYTES)
+            updates.append([encode(b, wire_dtype="fp32") for b in buckets])
+            counts.update({n: update for b in buckets for n in b.tensors})
+            changed.append(sum(t.changed for b in buckets for t in b.tensors.values())
+                           / sum(t.numel() for t in new.values()))
+            checksums.append(weight_checksums(sorted(_hf_weights(new, arch, torch.bfloat16)
+                                                     .items())))
+        state = new
+    return updates, {"checksums": checksums, "changed_fraction": changed,
+                     "bytes": [sum(len(p) for p in payloads) for payloads in updates]}
+
+
+def measure_delta(args, _cfg, groups):
+    streams, report = {}, {}
+    for optimizer in DELTA_CASES:
+        streams[optimizer], report[optimizer] = _delta_stream(args, groups, optimizer)
+    if dist.get_rank() == 0:
+        (args.out / "delta_streams.pkl").write_bytes(pickle.dumps(streams))
+    return report
+
+
 def add_arguments(parser) -> None:
     parser.add_argument("--data", required=True)
     parser.add_argument("--updates", type=int, default=4)
 
 
 if __name__ == "__main__":
-    run_worker({case: Case(build_cfg, measure, world_sizes=(2,)) for case in CASES},
-               add_arguments)
+    run_worker({**{case: Case(build_cfg, measure, world_sizes=(2,)) for case in CASES},
+                "delta": Case(delta_cfg, measure_delta, world_sizes=(2,))}, add_arguments)
