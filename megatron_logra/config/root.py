@@ -15,6 +15,7 @@ from megatron_logra.config.optim import (
     LoRAConfig,
     OptimizerConfig,
 )
+from megatron_logra.config.packing import resolve_packing
 from megatron_logra.config.rl import RLConfig
 from megatron_logra.config.rollout import RolloutConfig, SyncConfig
 from megatron_logra.config.run import CheckpointConfig, DataConfig, RunConfig, TrainConfig
@@ -232,7 +233,12 @@ class Config:
                 f"({microbatches} = train.global_batch_size / (train.micro_batch_size * dp)) to "
                 f"be a multiple of parallel.pp={p.pp}; change the batch sizes"
             )
-        resolved = dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=dp))
+        packing = resolve_packing(t.packing, data_format=cfg.data.format, command=command,
+                                  micro_batch_size=t.micro_batch_size,
+                                  seq_length=cfg.model.seq_length,
+                                  row_multiple=p.tp if p.sp else 1, provided=self.provided)
+        resolved = dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=dp),
+                                       train=dataclasses.replace(t, packing=packing))
         check_moe_run(resolved)  # ep against the derived data-parallel size
         return resolved
 

@@ -3,9 +3,10 @@ data, where results go, and checkpointing."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from megatron_logra.config.checks import check_choice, check_positive
+from megatron_logra.config.checks import check_choice, check_positive, validate_subsections
+from megatron_logra.config.packing import PackingConfig
 
 DATA_FORMATS: tuple[str, ...] = ("corpus", "prompts")
 WANDB_MODES: tuple[str, ...] = ("off", "offline", "online")
@@ -23,12 +24,15 @@ class TrainConfig:
     exit_interval: int = 0
     """Stop (after checkpointing, when checkpoint.dir is set) once this many steps ran in this
     invocation, e.g. to fit a job into a scheduler's time slot; 0 runs to train.steps."""
+    packing: PackingConfig = field(default_factory=PackingConfig)
+    """Sequence packing with a token budget per microbatch (config/packing.py)."""
 
     def validate(self, path: str = "train") -> None:
         for name in ("steps", "micro_batch_size", "global_batch_size"):
             check_positive(f"{path}.{name}", getattr(self, name))
         check_positive(f"{path}.seed", self.seed, allow_zero=True)
         check_positive(f"{path}.exit_interval", self.exit_interval, allow_zero=True)
+        validate_subsections(self, path)
 
 
 @dataclass(frozen=True, kw_only=True)

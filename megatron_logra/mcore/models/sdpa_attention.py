@@ -19,7 +19,9 @@ Tensor parallelism needs nothing here: Megatron's ``SelfAttention`` already hand
 own heads. Grouped-query attention is read from the shapes (fewer key/value heads than query
 heads) and uses SDPA's ``enable_gqa``, so keys and values are never repeated in memory.
 Forward-mode AD (the KL probe) goes through the tangent rule of
-:mod:`megatron_logra.mcore.models.sdpa_forward_ad`.
+:mod:`megatron_logra.mcore.models.sdpa_forward_ad`. Packed sequences (Megatron's ``thd``
+``PackedSeqParams``) are attended one causal block per sequence
+(:mod:`megatron_logra.mcore.models.packed_attention`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_logra.mcore.models.packed_attention import packed_sdpa
 from megatron_logra.mcore.models.sdpa_forward_ad import attention
 
 
@@ -83,8 +86,14 @@ class SDPAttention(MegatronModule):
     ) -> torch.Tensor:
         """``[s_q, b, heads, d]`` queries, ``[s_k, b, kv_heads, d]`` keys and values ->
         ``[s_q, b, heads * d]``."""
-        if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("packed sequences and attention bias need model.attention=te")
+        if attention_bias is not None:
+            raise ValueError("attention bias needs model.attention=te")
+        if packed_seq_params is not None:
+            if attention_mask is not None:
+                raise ValueError("packed sequences take no attention mask: each sequence "
+                                 "attends causally to itself")
+            # thd: [T, heads, d], one causal block per sequence (packed_attention.py).
+            return packed_sdpa(query, key, value, packed_seq_params, self.softmax_scale)
         s_q, batch, heads, head_dim = query.shape
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         allowed = None
