@@ -170,11 +170,19 @@ def local_recompute_moment(shape: ModelShape, layout: Layout, e: int, *,
     mlp = (e * layout.sharded_tokens * shape.hidden_size  # fc1's input (norm output, dense)
            + gated_mlp_bytes(shape, layout, e)
            + norm_saved_bytes(shape, layout.sharded_tokens, weight_trained=True))
-    scores = heads * T * layout.span  # [b, a/t, s, s] entries, or a packed row's blocks
-    probs = (LOCAL_RECOMPUTE_PROBS_FP32 * FP32_BYTES + e) * scores
-    if layout.recompute != "selective":
-        # Saved (no recompute) or rebuilt with its layer (full): already among the activations.
-        probs -= (FP32_BYTES + (e if e != FP32_BYTES else 0)) * scores
+    # Score entries: all of the microbatch's ([b, a/t, s, s], or every block of a packed row)
+    # and one call's (the whole microbatch unpacked; one sequence of a packed row, whose
+    # blocks' backward runs one at a time).
+    scores = heads * T * layout.span
+    block = heads * layout.micro_batch_size * layout.span * layout.span
+    cast = e if e != FP32_BYTES else 0  # the probabilities' copy in the activation dtype
+    # The gradients of one call beside its probabilities: LOCAL_RECOMPUTE_PROBS_FP32 fp32
+    # tensors and one in the activation dtype, less the probabilities (and their cast).
+    probs = (LOCAL_RECOMPUTE_PROBS_FP32 * FP32_BYTES + e - FP32_BYTES - cast) * block
+    if layout.recompute == "selective":
+        # Rebuilt for the backward of the checkpointed core attention, every call's at once
+        # (otherwise saved, or rebuilt with its layer: already among the activations).
+        probs += (FP32_BYTES + cast) * scores
     temporaries = probs + LOCAL_RECOMPUTE_WIDTH_COPIES * e * T * shape.query_width / t
     if layout.recompute == "full" and e != FP32_BYTES:
         # In bf16 the rebuilt layer peaks in its forward's softmax instead: the probabilities'
