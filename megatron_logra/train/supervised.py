@@ -126,6 +126,7 @@ class SupervisedJob:
             "tokens": tokens,
             "microbatches": len(batch.microbatches),
             "padding_fraction": batch.padding_fraction,
+            "processed_tokens": batch.processed_tokens,
             "step_time_s": elapsed,
             "tokens_per_s": tokens / elapsed,
             "mem_bytes": memory_bytes(groups.device),

@@ -5,7 +5,8 @@ Three torchrun jobs of ``workers/packing_worker.py`` (its docstring says what ea
 one process (float64 sketches, pack neighbours, forward-mode AD, for ``sdpa`` and ``local``
 attention), two processes (RL runs packed and padded at TP=2 with SP, DP=2 -- also the GRPO
 preset with a reference model and two updates per rollout batch, and bf16 -- and PP=2) and four
-processes (TP=2 x DP=2 with SP).
+processes (TP=2 x DP=2 with SP); the two-process job also runs ``sft`` on prompt data packed and padded
+under the interleaved pipeline schedule (PP=2, VPP=2).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def two(tmp_path_factory, synthetic_data_dir) -> dict:
     out = Path(tmp_path_factory.mktemp("packing_two"))
     run_torchrun(2, [WORKER, "--case", "rl", "--out", str(out), "--data",
                      str(synthetic_data_dir), "--layouts", "tp2_sp,dp2,pp2", "--grpo", "dp2",
-                     "--bf16", "dp2"])
+                     "--bf16", "dp2", "--sft", "pp2_vpp2"])
     return json.loads((out / "result.json").read_text())
 
 
@@ -94,26 +95,26 @@ def _runs(report: dict):
             yield f"{layout}:{preset}", run
 
 
-def _fp32_runs(two: dict, four: dict):
+def _fp32_rl_runs(two: dict, four: dict):
     return [(name, run) for report in (two, four) for name, run in _runs(report)
-            if not name.endswith(":bf16")]
+            if not name.endswith((":bf16", ":sft"))]
 
 
 def test_every_layout_and_preset_ran_packed_and_padded_with_the_step_fields(two, four):
     names = sorted(name for report in (two, four) for name, _ in _runs(report))
-    assert names == ["dp2:bf16", "dp2:grpo", "dp2:paper", "pp2:paper", "tp2_dp2_sp:paper",
-                     "tp2_sp:paper"]
+    assert names == ["dp2:bf16", "dp2:grpo", "dp2:paper", "pp2:paper", "pp2_vpp2:sft",
+                     "tp2_dp2_sp:paper", "tp2_sp:paper"]
     for _, run in _runs(two):
         for packed, padded in zip(run["packed"], run["padded"], strict=True):
             # Packing runs fewer tokens in more, smaller microbatches here (a 40-token budget
             # against 4 x 32 padded); both report what they ran.
             assert packed["processed_tokens"] < padded["processed_tokens"]
-            assert packed["padding_fraction"] < padded["padding_fraction"]
-            assert packed["microbatches"] >= 1 and padded["microbatches"] >= 1
+            assert 0.0 <= packed["padding_fraction"] < padded["padding_fraction"] < 1.0
+            assert packed["microbatches"] > padded["microbatches"] >= 1
 
 
 def test_per_token_logprobs_of_the_same_rollouts_agree_packed_and_padded(two, four):
-    for name, run in _fp32_runs(two, four):
+    for name, run in _fp32_rl_runs(two, four):
         logprobs = run["logprobs"]
         assert logprobs["old_logprobs_tokens"] > 0, name
         assert logprobs["old_logprobs_rel_err"] <= PACKED_REL_TOL, (name, logprobs)
@@ -122,7 +123,7 @@ def test_per_token_logprobs_of_the_same_rollouts_agree_packed_and_padded(two, fo
 
 
 def test_losses_alpha_and_predicted_kl_agree_at_every_step(two, four):
-    for name, run in _fp32_runs(two, four):
+    for name, run in _fp32_rl_runs(two, four):
         for step, (packed, padded) in enumerate(zip(run["packed"], run["padded"],
                                                     strict=True)):
             assert 0.0 < padded["alpha"] < 3.0, (name, step)  # below its cap: it acts
@@ -134,7 +135,7 @@ def test_losses_alpha_and_predicted_kl_agree_at_every_step(two, four):
 def test_realised_kl_and_weights_stay_within_the_layout_tolerances(two, four):
     """The realised KL is a difference of two nearby distributions (the suite's reason for its
     layout bound; measured <= 4.5e-6 here); the weights are compared as across layouts."""
-    for name, run in _fp32_runs(two, four):
+    for name, run in _fp32_rl_runs(two, four):
         for step, (packed, padded) in enumerate(zip(run["packed"], run["padded"],
                                                     strict=True)):
             assert _rel(packed["kl_realized"], padded["kl_realized"]) <= (
@@ -148,3 +149,14 @@ def test_bf16_packed_and_padded_agree_within_the_bf16_layout_bounds(two):
     for packed, padded in zip(run["packed"], run["padded"], strict=True):
         assert _rel(packed["loss"], padded["loss"]) <= BF16_RESHARD_LOSS_REL_TOL
     assert run["weights_last_step"]["norm_rel_err"] <= BF16_RESHARD_WEIGHT_NORM_REL_TOL
+
+
+def test_sft_on_prompt_data_is_exact_packed_under_the_interleaved_schedule(two):
+    run = two["pp2_vpp2"]["sft"]
+    for step, (packed, padded) in enumerate(zip(run["packed"], run["padded"], strict=True)):
+        # The interleaved schedule needs a multiple of PP microbatches per rank.
+        assert packed["microbatches"] % 2 == 0, step
+        assert packed["padding_fraction"] < padded["padding_fraction"]
+        for key in ("loss", "alpha", "kl_predicted"):
+            assert _rel(packed[key], padded[key]) <= PACKED_REL_TOL, (step, key)
+    assert run["weights_last_step"]["max_entry_rel_err"] <= LOGRA_LAYOUT_WEIGHT_REL_TOL

@@ -20,7 +20,8 @@ same model: their largest relative difference over every response token of the s
 ``--grpo`` also the GRPO preset with a reference KL and two updates per rollout batch (fixed
 advantages: a random model's rewards all tie, which would leave GRPO nothing to learn); with
 ``--bf16`` also the paper preset in bf16 (masters sharded over DP). Full weights are compared
-after the first and the last step.
+after the first and the last step. With ``--sft``, ``sft`` on prompt data (the supervised trainer,
+LoGRA under the KL step control) packed and padded at those layouts: step records and weights.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from megatron_logra.train.rl.collectives import gather_dp
 from megatron_logra.train.rl.job import RLJob
 from megatron_logra.train.rl.rollouts import collect_rollouts
 from megatron_logra.train.rl.update_batches import update_batches
+from megatron_logra.train.supervised import SupervisedJob
 from tests.layouts import LAYOUTS
 from tests.presets import NARROW, SWIGLU_RMSNORM_NO_BIAS, tiny_gpt
 from tests.torchrun import REPO
@@ -340,12 +342,41 @@ def run_rl(args, world, layout, groups, *, grpo: bool, bf16: bool = False) -> di
     return out
 
 
+def sft_cfg_for(args, world: int, layout: str, *, packed: bool):
+    _, parallel = LAYOUTS[layout]
+    overrides = [
+        *parallel, *tiny_gpt(num_layers=4), "train.micro_batch_size=4",
+        "train.global_batch_size=16", "logra.kl_control.kl_budget=1e-5",
+        "logra.kl_control.kl_budget_final=1e-5", f"data.dir={args.data}",
+        f"train.packing.enabled={str(packed).lower()}",
+        f"run.dir={args.out / f'sft_{layout}_{packed}'}",
+    ]
+    if packed:
+        overrides.append(f"train.packing.max_tokens_per_microbatch={RL_BUDGET}")
+    return load_config(RL_CONFIG, overrides, command="sft").resolved(world, "sft")
+
+
+def run_sft(args, world, layout, groups) -> dict:
+    """Supervised steps on prompt data (LoGRA paper mode under the KL step control, as the
+    demo config has it), packed and padded."""
+    out, weights = {}, {}
+    for packed in (True, False):
+        job = SupervisedJob(sft_cfg_for(args, world, layout, packed=packed), groups)
+        records = [job.step(step) for step in range(RL_STEPS)]
+        weights[packed] = gather_full_weights(job.setup.model_chunks, groups)
+        out["packed" if packed else "padded"] = [
+            {key: value for key, value in record.items() if isinstance(value, (int, float))}
+            for record in records]
+    out["weights_last_step"] = _weight_errors(weights[True], weights[False])
+    return out
+
+
 def measure_rl(args, cfg, groups):
     del cfg
     world = groups.world_size
     report = {}
     padded = {}
-    for layout in args.layouts.split(","):
+    for layout in filter(None, args.layouts.split(",")):
         groups = switch_layout(rl_cfg_for(args, world, layout, packed=True, grpo=False))
         report[layout] = {"paper": run_rl(args, world, layout, groups, grpo=False)}
         padded[layout] = report[layout]["paper"].pop("padded_weights")
@@ -355,6 +386,9 @@ def measure_rl(args, cfg, groups):
         if layout in args.bf16.split(","):
             report[layout]["bf16"] = run_rl(args, world, layout, groups, grpo=False, bf16=True)
             report[layout]["bf16"].pop("padded_weights")
+    for layout in filter(None, args.sft.split(",")):
+        groups = switch_layout(sft_cfg_for(args, world, layout, packed=True))
+        report.setdefault(layout, {})["sft"] = run_sft(args, world, layout, groups)
     # For scale: how far a change of layout alone moves the unpacked run's weights.
     layouts = list(padded)
     report["padded_layout_changes"] = {
@@ -368,6 +402,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--layouts", default="tp1")
     parser.add_argument("--grpo", default="", help="layouts that also run the GRPO preset")
     parser.add_argument("--bf16", default="", help="layouts that also run in bf16")
+    parser.add_argument("--sft", default="", help="layouts that run sft packed and padded")
 
 
 if __name__ == "__main__":
