@@ -21,8 +21,10 @@ Padding: each sequence is padded to a multiple of ``sequence_multiple`` (1 witho
 parallelism; context parallelism needs each sequence in ``2 * cp * tp`` pieces) and each row to
 a multiple of ``row_multiple`` (the TP size under sequence parallelism, which splits the row);
 ``uniform_rows`` pads every row of the step to the longest one (pipeline parallelism: Megatron's
-schedule passes one activation shape per step between stages). ``max_tokens`` bounds a row
-including its padding.
+schedules allocate every stage-to-stage message from one ``(seq_length, micro_batch_size)`` per
+step; its ``variable_seq_lengths`` would add a shape exchange before every message, and rows
+balanced by the algorithm make the padding to the longest small: ~2% at an RL length mix).
+``max_tokens`` bounds a row including its padding.
 
 Everything is plain Python on the step's global lengths, identical on every rank, so no rank
 needs another's plan. Deterministic: ties are broken by sequence index.
