@@ -4,6 +4,7 @@
     python tools/estimate_vs_measured.py --seq-lengths 2048,8192 --recompute none,full
     python tools/estimate_vs_measured.py --hidden 256 --ffn 1024 --seq-lengths 512 --json
     torchrun --nproc_per_node=2 tools/estimate_vs_measured.py --cp 2 --seq-lengths 2048
+    python tools/estimate_vs_measured.py --seq-lengths 512 --packed 4   # 4 sequences per row
 
 For every (sequence length, precision, attention, recompute mode, method) this builds the run's
 own model and optimizer from config overrides (``megatron_logra.mcore.training.step_peak``: the
@@ -71,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="model.moe_router_pre_softmax=true")
     moe.add_argument("--shared-gate", action="store_true", help="model.moe_shared_expert_gate=true")
     parser.add_argument("--seq-lengths", default="2048", help="comma-separated, batch 1 each")
+    parser.add_argument("--packed", type=int, default=1, metavar="N",
+                        help="each step one packed row of the sequence length's tokens holding "
+                        "N sequences of 1/N of it (train.packing on prompt data; 1: unpacked)")
     parser.add_argument("--dtypes", default="fp32,bf16", help="model.params_dtype values")
     parser.add_argument("--attention", default="sdpa", help="model.attention values")
     parser.add_argument("--recompute", default="none,full", help="model.recompute values")
@@ -93,15 +97,24 @@ def overrides(args: argparse.Namespace, *, method: str, dtype: str, attention: s
               recompute: str, seq_length: int) -> list[str]:
     if method not in METHOD_OVERRIDES:
         raise ValueError(f"--methods contains {method!r}; choose from {list(METHODS)}")
+    batch = ["train.micro_batch_size=1", "train.global_batch_size=1"]
+    if args.packed > 1:
+        if seq_length % args.packed:
+            raise ValueError(f"--packed {args.packed} must divide the sequence length "
+                             f"{seq_length}")
+        batch = ["data.format=prompts", "train.micro_batch_size=1",
+                 f"train.global_batch_size={args.packed}",
+                 f"train.packing.max_tokens_per_microbatch={seq_length}"]
+        seq_length //= args.packed
     return [
-        "parallel.device=cpu", "parallel.tp=1", f"parallel.cp={args.cp}",
+        "parallel.device=cpu", "parallel.tp=1", f"parallel.cp={args.cp}", *batch,
         f"model.num_layers={args.layers}", f"model.hidden_size={args.hidden}",
         f"model.num_attention_heads={args.heads}", f"model.ffn_hidden_size={args.ffn}",
         f"model.seq_length={seq_length}", f"model.vocab_size={args.vocab}",
         "model.activation=swiglu", "model.normalization=RMSNorm", "model.add_bias_linear=false",
         f"model.params_dtype={dtype}", f"model.attention={attention}",
         f"model.recompute={recompute}",
-        "train.micro_batch_size=1", "train.global_batch_size=1", "train.steps=4",
+        "train.steps=4",
         f"lora.lora_rank={args.rank}", f"lora.alpha={2 * args.rank}",
         f"logra.sketch_rank={args.rank}", *METHOD_OVERRIDES[method],
         # the KL probe over the whole sequence (where the KL control is on)
@@ -191,7 +204,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                                               seq_length=seq)).resolved(args.cp)
             if groups is None:
                 groups = init_parallel(cfg)
-            row = {"seq_length": seq, "dtype": dtype, "attention": attention,
+            row = {"seq_length": seq, "packed": args.packed, "dtype": dtype,
+                   "attention": attention,
                    "recompute": recompute, "method": method}
             row.update(compare(cfg, groups, args.vocab))
             rows.append(row)
@@ -215,7 +229,9 @@ HEADER = ("| tokens | dtype | attention | recompute | method | measured peak [Mi
 def format_row(row: dict[str, Any]) -> str:
     m, e = row["measured"], row["estimate"]
     where = "realised KL" if m["peak_in_realised_kl"] else "step"
-    return (f"| 1x{row['seq_length']} | {row['dtype']} | {row['attention']} | {row['recompute']}"
+    tokens = (f"1x{row['seq_length']}" if row["packed"] == 1 else
+              f"{row['packed']}x{row['seq_length'] // row['packed']} packed")
+    return (f"| {tokens} | {row['dtype']} | {row['attention']} | {row['recompute']}"
             f" | {row['method']} | {_mib(m['peak_bytes'])} | {_mib(e['total_bytes'])}"
             f" | {100 * row['relative_error']:+.1f}% | {_mib(m['persistent_bytes'])}"
             f" | {_mib(e['persistent_bytes'])} | {where} |")

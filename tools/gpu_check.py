@@ -19,6 +19,8 @@ Sections (one function each, returning its figures):
 * ``tp_parity``: the tiny GPT trained by LoGRA through the CLI at TP=1 (one GPU) and TP=2 (two
   GPUs, NCCL), in fp32 and in bf16: per-step losses and final weights compared;
 * ``te_spec``: ``model.attention=te`` against ``model.attention=local``, bf16, a few steps: losses;
+* ``te_packed``: ``sft`` on prompt data with ``model.attention=te``, train.packing on against off
+  (Megatron's thd ``PackedSeqParams`` into TE's fused attention), bf16: losses;
 * ``memory``: ``tools/bench_methods.py --device cuda`` on a ~1B-shaped GPT at 4096 tokens:
   ``torch.cuda.max_memory_allocated`` of dense Adam, LoRA and LoGRA beside the estimator's total;
 * ``context_parallel``: the tiny GPT at CP=2 (two GPUs, NCCL) against CP=1: the ``sdpa``
@@ -89,6 +91,13 @@ BF16_TP_WEIGHT_RTOL = 1.6e-2
 # attention and torch's norm, with bf16 intermediates: the same bf16 argument as above.
 TE_LOSS_RTOL = 2e-2
 
+# Packed vs padded rows on TE, bf16: on CPU (sdpa, RL at DP=2) they agree to 1.5e-4 in loss over 3
+# steps; TE's thd kernel and its padded causal kernel block the sums differently, with bf16
+# intermediates: the bf16 argument above. A sequence attending across its pack's neighbours
+# would move the loss by far more (O(1) per token).
+TE_PACKED_LOSS_RTOL = 2e-2
+PROMPT_CONFIG = REPO / "configs" / "demo_rl_cpu.yaml"
+
 PARITY_STEPS = 5
 TE_STEPS = 5
 # ~1B-shaped (TinyLlama-like widths, multi-head attention): 16 layers, hidden 2048, ffn 5632,
@@ -97,12 +106,14 @@ MEMORY_MODEL = ["--layers", "16", "--hidden", "2048", "--heads", "16", "--ffn", 
                 "--vocab", "32000", "--seq-length", "4096", "--micro-batch-size", "1",
                 "--sketch-rank", "256"]
 MERGE_SHAPES = ((4096, 4096), (28672, 4096))  # a square projection; a 7B-sized fused fc1
-# Seconds each section may run; together 470 s, so these four stay under 8 minutes (the sync
-# sections have their own budgets, 390 s: tools/gpu_check_sync.py).
+# Seconds each section may run (the sync sections have their own, 390 s together:
+# tools/gpu_check_sync.py). A device command may run 10 minutes, so docs/gpu_check.md splits
+# the sections into commands whose budgets fit: tp_parity te_spec te_packed memory master_merge
+# (540 s); moe_grouped context_parallel (260 s); sync_megatron vllm (390 s).
 # memory gets most: bench_methods starts 4 processes, and the model's layout-invariant
 # initialisation draws every full weight from a CPU generator (1e9 normals per model).
-BUDGET_S = {"tp_parity": 130, "te_spec": 70, "memory": 240, "master_merge": 30,
-            "moe_grouped": 60, "context_parallel": 200}
+BUDGET_S = {"tp_parity": 130, "te_spec": 70, "te_packed": 70, "memory": 240,
+            "master_merge": 30, "moe_grouped": 60, "context_parallel": 200}
 # CP=2 vs CP=1 changes the order of sums as TP=2 does -- each chunk's softmax over the gathered
 # keys, the keys' gradients reduce-scattered, the DP x CP reduction of sketches -- so the
 # tp_parity bounds apply; alpha is sqrt(budget / m) with m a float64 mean of squared tangents:
@@ -216,6 +227,34 @@ def te_spec(out: Path) -> dict[str, Any]:
     if not within(figures, "loss_rel_diff", loss, TE_LOSS_RTOL):
         raise SectionFailed(f"te loss differs from local by {loss:.2e} > {TE_LOSS_RTOL:.0e}",
                             figures)
+    return figures
+
+
+def te_packed(out: Path) -> dict[str, Any]:
+    """Packed sequences on the Transformer Engine spec (thd ``PackedSeqParams`` into TE's fused
+    attention): ``sft`` on prompt data with train.packing on against off, bf16, LoGRA."""
+    require(cuda_missing(), te_missing())
+    deadline = time.monotonic() + BUDGET_S["te_packed"]
+    data = synthetic_data(out, deadline)
+    base = ["parallel.device=cuda", "parallel.tp=1", f"data.dir={data}",
+            f"train.steps={TE_STEPS}", "train.micro_batch_size=8", "train.global_batch_size=16",
+            "model.attention=te", "model.params_dtype=bf16", "logra.kl_control.enabled=false",
+            "run.save_full_weights=true"]
+    runs = {}
+    for packed in (True, False):
+        run_dir = out / "te_packed" / ("packed" if packed else "padded")
+        run_dir.parent.mkdir(parents=True, exist_ok=True)
+        run_logged([sys.executable, "-m", "megatron_logra", "sft", str(PROMPT_CONFIG), *base,
+                    f"train.packing.enabled={str(packed).lower()}", f"run.dir={run_dir}"],
+                   deadline, run_dir.parent / f"{run_dir.name}.log")
+        runs[packed] = run_dir
+    figures: dict[str, Any] = {"losses_packed": _losses(runs[True]),
+                               "losses_padded": _losses(runs[False])}
+    loss = _loss_rel_diff(figures["losses_packed"], figures["losses_padded"])
+    figures["weight_rel_diff"] = _weight_rel_diff(runs[True], runs[False])
+    if not within(figures, "loss_rel_diff", loss, TE_PACKED_LOSS_RTOL):
+        raise SectionFailed(f"packed te loss differs from padded by {loss:.2e} > "
+                            f"{TE_PACKED_LOSS_RTOL:.0e}", figures)
     return figures
 
 
@@ -341,7 +380,7 @@ def context_parallel(out: Path) -> dict[str, Any]:
 
 
 SECTIONS: dict[str, Callable[[Path], dict[str, Any]]] = {
-    "tp_parity": tp_parity, "te_spec": te_spec, "memory": memory,
+    "tp_parity": tp_parity, "te_spec": te_spec, "te_packed": te_packed, "memory": memory,
     "master_merge": master_merge, "moe_grouped": moe_grouped,
     "context_parallel": context_parallel, **gpu_check_sync.SECTIONS,
 }

@@ -11,7 +11,8 @@ here imports torch.
 Sections: ``model`` and ``parallel`` (config/model.py); ``optimizer``, ``logra`` with
 ``logra.kl_control``, ``lora`` (config/optim.py); ``rl`` with ``sampling``, ``loss``,
 ``advantages``, ``reward`` (and ``reward.math_verify``), ``eval`` (config/rl.py); ``rollout`` and ``sync`` (config/rollout.py); ``train``,
-``run``, ``checkpoint`` (config/run.py); ``data`` with ``data.prompt`` (config/data.py). The names of every choice (targets, direction
+``run``, ``checkpoint`` (config/run.py), with ``train.packing`` (config/packing.py); ``data`` with
+``data.prompt`` (config/data.py). The names of every choice (targets, direction
 rules, distributions, rewards, ...) are declared here once; the implementing modules map them.
 """
 
@@ -50,6 +51,7 @@ from megatron_logra.config.optim import (
     LoRAConfig,
     OptimizerConfig,
 )
+from megatron_logra.config.packing import PACKING_ALGORITHMS, PackingConfig
 from megatron_logra.config.rl import (
     EVAL_SPLITS,
     FAILURE_POLICIES,
@@ -83,12 +85,12 @@ __all__ = [
     "ACTIVATIONS", "ATTENTIONS", "COMMANDS", "COMMAND_DEFAULTS", "DATA_FORMATS", "DEVICES",
     "DIRECTIONS",
     "DISTRIBUTIONS", "FAILURE_POLICIES", "LOGRA_MODES", "LR_DECAY_STYLES", "MASTER_WEIGHTS",
-    "NATIVE_OPTIMIZERS", "NORMALIZATIONS", "OPTIMIZERS", "PARAMS_DTYPES", "POSITION_EMBEDDINGS",
+    "NATIVE_OPTIMIZERS", "NORMALIZATIONS", "OPTIMIZERS", "PACKING_ALGORITHMS", "PARAMS_DTYPES", "POSITION_EMBEDDINGS",
     "EVAL_SPLITS", "ENGINES", "PLACEMENTS", "SYNC_MODES", "SYNC_TRANSPORTS", "SYNC_WIRE_DTYPES", "RECOMPUTES", "RECOMPUTE_METHODS", "REWARDS", "RL_LOSSES", "START_METHODS",
     "TARGET_NAMES", "UPDATE_FACTOR_DTYPES",
     "AdvantagesConfig", "CheckpointConfig", "Config", "DataConfig", "EvalConfig",
     "GrpoLossConfig", "KLControlConfig", "LoGRAConfig", "LoRAConfig", "LossConfig",
-    "MathVerifyConfig", "ModelConfig", "OptimizerConfig", "PaperAdvantageConfig",
+    "MathVerifyConfig", "ModelConfig", "OptimizerConfig", "PackingConfig", "PaperAdvantageConfig",
     "PaperLossConfig", "ParallelConfig", "PROBLEM_FILE_SUFFIXES", "PromptConfig", "RLConfig", "RewardConfig", "RolloutConfig", "RunConfig", "SyncConfig",
     "SamplingConfig", "SPLIT_CANDIDATES", "TrainConfig", "check_key", "config_from_dict", "load_config",
     "parse_override",

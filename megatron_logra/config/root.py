@@ -19,6 +19,7 @@ from megatron_logra.config.optim import (
     check_host_merge_chunk,
     check_kl_control_settings_act,
 )
+from megatron_logra.config.packing import resolve_packing
 from megatron_logra.config.rl import RLConfig
 from megatron_logra.config.rollout import (
     RolloutConfig,
@@ -242,7 +243,13 @@ class Config:
                 f"({microbatches} = train.global_batch_size / (train.micro_batch_size * dp)) to "
                 f"be a multiple of parallel.pp={p.pp}; change the batch sizes"
             )
+        packing = resolve_packing(t.packing, data_format=cfg.data.format, command=command,
+                                  micro_batch_size=t.micro_batch_size,
+                                  seq_length=cfg.model.seq_length,
+                                  row_multiple=p.tp if p.sp else 1, provided=self.provided,
+                                  cp=p.cp)
         resolved = dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=dp),
+                                       train=dataclasses.replace(t, packing=packing),
                                        checkpoint=cfg.checkpoint.in_run(cfg.run.dir))
         check_moe_run(resolved)  # ep against the derived data-parallel size
         return resolved

@@ -4,10 +4,11 @@ and checkpointing (the ``data`` section is config/data.py's)."""
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_logra.config.checks import check_choice, check_positive
+from megatron_logra.config.checks import check_choice, check_positive, validate_subsections
+from megatron_logra.config.packing import PackingConfig
 
 WANDB_MODES: tuple[str, ...] = ("off", "offline", "online")
 
@@ -24,12 +25,15 @@ class TrainConfig:
     exit_interval: int = 0
     """Stop (after checkpointing, when checkpoint.dir is set) once this many steps ran in this
     invocation, e.g. to fit a job into a scheduler's time slot; 0 runs to train.steps."""
+    packing: PackingConfig = field(default_factory=PackingConfig)
+    """Sequence packing with a token budget per microbatch (config/packing.py)."""
 
     def validate(self, path: str = "train") -> None:
         for name in ("steps", "micro_batch_size", "global_batch_size"):
             check_positive(f"{path}.{name}", getattr(self, name))
         check_positive(f"{path}.seed", self.seed, allow_zero=True)
         check_positive(f"{path}.exit_interval", self.exit_interval, allow_zero=True)
+        validate_subsections(self, path)
 
 
 @dataclass(frozen=True, kw_only=True)

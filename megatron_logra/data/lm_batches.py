@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from megatron_logra.data.sample_order import SampleOrder
+from megatron_logra.packing.rows import RowLayout
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,9 @@ class Microbatch:
     """[micro_batch_size, seq_length] float32, 1 where the label counts."""
     position_ids: torch.Tensor
     """[micro_batch_size, seq_length] int64."""
+    layout: RowLayout | None = None
+    """A packed microbatch (train.packing): the tensors are one ``[1, T]`` row of several
+    sequences laid out as this says (megatron_logra.data.packed_batches). None: unpacked."""
 
 
 class BatchSchedule:

@@ -37,12 +37,14 @@ from megatron_logra.mcore.checkpointing.checkpoint import (
 )
 from megatron_logra.mcore.inference.sampler import MegatronSampler
 from megatron_logra.mcore.inference.token_logprobs import (
+    compute_packed_token_logprobs,
     compute_token_logprobs,
     token_logprobs_from_logits,
 )
 from megatron_logra.mcore.kl_probe.step_control import KLStepControl
 from megatron_logra.mcore.models.full_weights import gather_full_weights, save_tensors_atomically
 from megatron_logra.mcore.models.gpt import build_model_chunks
+from megatron_logra.mcore.models.packed_attention import packed_seq_params
 from megatron_logra.mcore.process_groups import ParallelGroups, destroy_parallel, init_parallel
 from megatron_logra.mcore.training.forward_backward import forward_backward
 from megatron_logra.mcore.training.setup import TrainingSetup, setup_training
@@ -55,9 +57,11 @@ from megatron_logra.mcore.training.step import StepResult, train_step
 
 __all__ = [
     "KLStepControl", "MegatronSampler", "ParallelGroups", "StepResult",
-    "TrainingSetup", "build_model_chunks", "compute_token_logprobs", "destroy_parallel",
+    "TrainingSetup", "build_model_chunks", "compute_packed_token_logprobs",
+    "compute_token_logprobs", "destroy_parallel",
     "forward_backward", "gather_full_weights", "gather_state_bytes", "init_parallel",
-    "latest_checkpoint", "load_checkpoint", "load_model_weights", "remove_stale_staging",
+    "latest_checkpoint", "load_checkpoint", "load_model_weights", "packed_seq_params",
+    "remove_stale_staging",
     "save_checkpoint",
     "save_model_checkpoint", "save_tensors_atomically", "setup_training",
     "state_bytes_totals", "token_logprobs_from_logits", "train_step", "write_state_bytes",

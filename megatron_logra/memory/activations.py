@@ -118,8 +118,7 @@ def layer_activation_terms(
         score_bytes = e + ((DROPOUT_MASK_BYTES + e) if shape.dropout else 0)
         heads = shape.num_attention_heads / t
         terms["attention_scores"] = (
-            heads * layout.local_seq_length * layout.seq_length * layout.micro_batch_size
-            * score_bytes
+            heads * layout.tokens * layout.span * score_bytes
         )
     else:
         # Selective recompute keeps the inputs of the recomputed core attention: q, k, v.

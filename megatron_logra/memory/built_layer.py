@@ -91,22 +91,24 @@ def core_attention_bytes(shape: ModelShape, layout: Layout, e: int, *,
     the grouped keys and values expanded to all heads under grouped-query attention, and the
     context made contiguous for ``linear_proj`` (kept only if that linear keeps its input)."""
     T, t = layout.tokens, layout.tp
-    s, b = layout.seq_length, layout.micro_batch_size
     heads = shape.num_attention_heads / t
     qd = shape.query_width
     if layout.attention == "local":
         # Softmax in fp32 keeps its fp32 output; in bf16 the product with V keeps its cast too.
-        probs = (FP32_BYTES + (e if e != FP32_BYTES else 0)) * b * heads * s * s
+        # [b, a/t, s, s] unpacked; one [a/t, L, L] per sequence of a packed row.
+        probs = (FP32_BYTES + (e if e != FP32_BYTES else 0)) * heads * T * layout.span
         expanded = 0.0
         if shape.num_query_groups < shape.num_attention_heads:
             expanded = 2 * e * T * qd / t  # repeat_interleave'd keys and values
         context = e * T * qd / t if proj_keeps_input else 0.0
-        return probs + CAUSAL_MASK_BYTES * s * s + expanded + context
+        # One causal mask broadcast over the batch; one per sequence of a packed row.
+        mask = layout.seq_length ** 2 if layout.attention_span is None else T * layout.span
+        return probs + CAUSAL_MASK_BYTES * mask + expanded + context
     saved = e * T * qd / t + FP32_BYTES * T * heads
     if layout.cp > 1:
         # The whole sequence's keys and values, and linear_proj's copy of the two chunks'
         # concatenated outputs when it keeps its input.
-        saved += e * s * b * 2 * shape.kv_width / t
+        saved += e * layout.seq_length * layout.micro_batch_size * 2 * shape.kv_width / t
         saved += e * T * qd / t if proj_keeps_input else 0.0
     return saved
 
@@ -145,7 +147,9 @@ def freed_before_backward_peak(shape: ModelShape, layout: Layout, e: int, *,
     if layout.recompute == "full":
         if e == FP32_BYTES:
             freed += e * layout.sharded_tokens * shape.hidden_size
-        freed -= FP32_BYTES * layout.local_seq_length * shape.head_dim
+        # The rotary table of one rank's positions: a sequence's CP share, or a packed row's
+        # longest sequence (packing runs without CP).
+        freed -= FP32_BYTES * (layout.span // layout.cp) * shape.head_dim
     return freed
 
 
@@ -181,20 +185,28 @@ def local_recompute_moment(shape: ModelShape, layout: Layout, e: int, *,
     tensors are freed by then, beside the output stage's (``freed_mlp`` counts those and the
     last fc2's); the ``s x s`` gradients are the temporaries."""
     T, t = layout.tokens, layout.tp
-    s, b = layout.seq_length, layout.micro_batch_size
     heads = shape.num_attention_heads / t
     mlp = (e * layout.sharded_tokens * shape.hidden_size  # fc1's input (norm output, dense)
            + gated_mlp_bytes(shape, layout, e)
            + norm_saved_bytes(shape, layout.sharded_tokens, weight_trained=True))
-    probs = (LOCAL_RECOMPUTE_PROBS_FP32 * FP32_BYTES + e) * b * heads * s * s
-    if layout.recompute != "selective":
-        # Saved (no recompute) or rebuilt with its layer (full): already among the activations.
-        probs -= (FP32_BYTES + (e if e != FP32_BYTES else 0)) * b * heads * s * s
+    # Score entries: all of the microbatch's ([b, a/t, s, s], or every block of a packed row)
+    # and one call's (the whole microbatch unpacked; one sequence of a packed row, whose
+    # blocks' backward runs one at a time).
+    scores = heads * T * layout.span
+    block = heads * layout.micro_batch_size * layout.span * layout.span
+    cast = e if e != FP32_BYTES else 0  # the probabilities' copy in the activation dtype
+    # The gradients of one call beside its probabilities: LOCAL_RECOMPUTE_PROBS_FP32 fp32
+    # tensors and one in the activation dtype, less the probabilities (and their cast).
+    probs = (LOCAL_RECOMPUTE_PROBS_FP32 * FP32_BYTES + e - FP32_BYTES - cast) * block
+    if layout.recompute == "selective":
+        # Rebuilt for the backward of the checkpointed core attention, every call's at once
+        # (otherwise saved, or rebuilt with its layer: already among the activations).
+        probs += (FP32_BYTES + cast) * scores
     temporaries = probs + LOCAL_RECOMPUTE_WIDTH_COPIES * e * T * shape.query_width / t
     if layout.recompute == "full" and e != FP32_BYTES:
         # In bf16 the rebuilt layer peaks in its forward's softmax instead: the probabilities'
         # bf16 cast and the context do not exist yet (measured).
-        mlp += e * b * heads * s * s + e * T * shape.query_width / t
+        mlp += e * scores + e * T * shape.query_width / t
     return freed_mlp + mlp, temporaries
 
 
@@ -221,4 +233,5 @@ def local_attention_buffer_bytes(shape: ModelShape, layout: Layout, e: int) -> f
     if layout.attention != "local":
         return 0.0
     heads = shape.num_attention_heads / layout.tp
-    return e * layout.micro_batch_size * heads * layout.seq_length * layout.seq_length
+    # Sized by the largest call: the whole microbatch unpacked, the longest sequence packed.
+    return e * layout.micro_batch_size * heads * layout.span * layout.span

@@ -35,16 +35,26 @@ def master_weights(cfg: Config) -> str:
 
 
 def layout_of(cfg: Config) -> Layout:
-    """The layout and per-step batch of one GPU of a resolved ``cfg``."""
-    p, m = cfg.parallel, cfg.model
+    """The layout and per-step batch of one GPU of a resolved ``cfg``: with train.packing, one
+    row of the token budget per microbatch, holding sequences of at most ``model.seq_length``
+    (microbatches counted as if every sequence were that long: the most a step can need)."""
+    p, m, t = cfg.parallel, cfg.model, cfg.train
     dp = p.dp or 1
     full = m.full_recompute
+    batch: dict[str, int | None] = {
+        "micro_batch_size": t.micro_batch_size, "seq_length": m.seq_length,
+        "num_microbatches": max(1, t.global_batch_size // (t.micro_batch_size * dp)),
+    }
+    if t.packing.enabled:
+        budget = t.packing.max_tokens_per_microbatch
+        batch = {"micro_batch_size": 1, "seq_length": budget,
+                 "attention_span": min(m.seq_length, budget),
+                 "num_microbatches": max(1, -(-t.global_batch_size * m.seq_length
+                                              // (budget * dp)))}
     return Layout(
         tp=p.tp, cp=p.cp, cpu=p.device == "cpu", pp=p.pp, vpp=p.vpp, dp=dp, ep=p.ep,
-        micro_batch_size=cfg.train.micro_batch_size,
-        seq_length=m.seq_length, sequence_parallel=p.sp, recompute=m.recompute,
-        num_microbatches=max(1, cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)),
-        attention=m.attention, recompute_num_layers=full[1] if full else 1,
+        sequence_parallel=p.sp, recompute=m.recompute, attention=m.attention,
+        recompute_num_layers=full[1] if full else 1, **batch,
     )
 
 

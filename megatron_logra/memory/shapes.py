@@ -398,6 +398,12 @@ class Layout:
     recompute_num_layers: int = 1
     """``recompute=full``: layers per checkpointed group (``model.recompute_num_layers``, uniform
     method): one input is kept per group and a whole group is rebuilt at a time."""
+    attention_span: int | None = None
+    """Packed microbatches (train.packing): a microbatch is one row of ``seq_length`` tokens
+    (the token budget) holding whole sequences of at most this many tokens, and attention runs
+    within each sequence, so its quadratic terms are at most ``tokens x attention_span``
+    (reached when every sequence is this long). None: unpacked, ``micro_batch_size`` sequences
+    of ``seq_length``."""
 
     def __post_init__(self) -> None:
         fixes = {"tp": "use 1 for no tensor parallelism", "cp": "use 1 for no context parallelism",
@@ -416,6 +422,16 @@ class Layout:
             if self.pp < 2:
                 raise ValueError(
                     f"Layout.vpp={self.vpp} needs Layout.pp >= 2 (got pp={self.pp}); set vpp=None"
+                )
+        if self.attention_span is not None:
+            check_positive_int("Layout.attention_span", self.attention_span,
+                               "give the longest packed sequence, or None when unpacked")
+            if self.micro_batch_size != 1 or self.attention_span > self.seq_length:
+                raise ValueError(
+                    f"a packed Layout is one row (micro_batch_size=1, got "
+                    f"{self.micro_batch_size}) of seq_length tokens holding sequences of at "
+                    f"most attention_span <= seq_length (got {self.attention_span} > "
+                    f"{self.seq_length})"
                 )
         if self.num_microbatches is not None:
             check_positive_int("Layout.num_microbatches", self.num_microbatches,
@@ -468,6 +484,11 @@ class Layout:
     def tokens(self) -> int:
         """T: tokens of one microbatch on one rank (its CP share)."""
         return self.local_seq_length * self.micro_batch_size
+
+    @property
+    def span(self) -> int:
+        """The longest stretch of tokens one attention block covers."""
+        return self.seq_length if self.attention_span is None else self.attention_span
 
     @property
     def sharded_tokens(self) -> float:

@@ -61,6 +61,8 @@ _FIELD_FORMATS: dict[str, Callable[[Any], str]] = {
     "rollout_time_s": lambda value: f"rollout {value:.3f} s",
     "update_time_s": lambda value: f"update {value:.3f} s",
     "sync_mode": lambda value: f"sync {value}",
+    "microbatches": lambda value: f"mb {value}",
+    "padding_fraction": lambda value: f"pad {100 * value:.1f}%",
     "sync_bytes": lambda value: f"sync {value:,} B",
     "sync_time_s": lambda value: f"sync {value:.3f} s",
     "sync_weights_match": lambda value: "weights equal" if value else "WEIGHTS DIFFER",
@@ -87,7 +89,8 @@ CONSOLE_FIELDS: tuple[str, ...] = (
     "loss", "reward", "accuracy", "response_length", "truncated_fraction", "eval_greedy",
     "eval_pass@1", "eval_truncated", "grad_norm", "lr", "kl_predicted_scaled", "kl_realized",
     "alpha", "tokens_per_s", "step_time_s", "rollout_time_s", "update_time_s",
-    "master_merge_time_s", "sync_mode", "sync_bytes", "sync_time_s", "sync_weights_match", "mem_bytes",
+    "microbatches", "padding_fraction", "master_merge_time_s", "sync_mode", "sync_bytes",
+    "sync_time_s", "sync_weights_match", "mem_bytes",
 )
 
 

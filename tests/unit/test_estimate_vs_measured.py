@@ -2,7 +2,8 @@
 
 One run of tools/estimate_vs_measured.py (one process, CPU) on a small GPT whose step is
 dominated by what the estimator models beyond the persistent state (activations are ~2/3 of the
-peak): every method, per recompute mode, with ``sdpa`` and ``local`` attention, fp32 and bf16.
+peak): every method, per recompute mode, with ``sdpa`` and ``local`` attention, fp32 and bf16;
+and a packed microbatch (train.packing: two sequences in one row) on part of that grid.
 A term dropped from either side -- the estimator's or the model's -- moves some configuration
 past the tolerance.
 """
@@ -46,6 +47,37 @@ def rows() -> dict[tuple[str, str], dict]:
     measured = json.loads(done.stdout)
     return {(f"{r['dtype']}:{r['attention']}:{r['recompute']}", r["method"]): r
             for r in measured}
+
+
+# Packed rows (train.packing on prompt data): each step one row of the same 256 tokens holding
+# two sequences of 128, attention within each (local attention's s x s terms per sequence).
+PACKED_SEQUENCES = 2
+PACKED_CONFIGS = ("fp32:sdpa:none", "fp32:local:selective", "bf16:local:full")
+PACKED_METHODS = ("dense_adam", "logra", "logra_paper")
+PACKED_CASES = [(config, method) for config in PACKED_CONFIGS for method in PACKED_METHODS
+                if not (":local:" in config and method == "logra_paper")]
+
+
+@pytest.fixture(scope="module")
+def packed_rows() -> dict[tuple[str, str], dict]:
+    done = subprocess.run(
+        [sys.executable, "-W", "ignore", str(REPO / "tools" / "estimate_vs_measured.py"),
+         *MODEL, "--packed", str(PACKED_SEQUENCES), "--configs", ",".join(PACKED_CONFIGS),
+         "--methods", ",".join(PACKED_METHODS), "--json"],
+        env=torchrun_env(), capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return {(f"{r['dtype']}:{r['attention']}:{r['recompute']}", r["method"]): r
+            for r in json.loads(done.stdout)}
+
+
+@pytest.mark.parametrize(("config", "method"), PACKED_CASES)
+def test_estimate_of_a_packed_microbatch_is_within_ten_percent_of_the_measured_peak(
+        packed_rows, config, method):
+    row = packed_rows[(config, method)]
+    assert row["packed"] == PACKED_SEQUENCES
+    measured, estimate = row["measured"]["peak_bytes"], row["estimate"]["total_bytes"]
+    assert abs(estimate / measured - 1) <= TOLERANCE, (config, method, measured, estimate)
 
 
 def test_every_configuration_of_the_grid_was_measured(rows):

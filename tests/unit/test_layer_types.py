@@ -64,4 +64,4 @@ def test_cpu_layer_specs_build_the_chosen_core_attention(attention):
     spec = gpt_layer_spec(ModelConfig(attention=attention), sequence_parallel=False,
                           layers_per_chunk=1)
     core = spec.submodules.self_attention.submodules.core_attention
-    assert core.__name__ == {"sdpa": "SDPAttention", "local": "DotProductAttention"}[attention]
+    assert core.__name__ == {"sdpa": "SDPAttention", "local": "PackedDotProductAttention"}[attention]

@@ -16,7 +16,9 @@ samples it.
 * :func:`token_logprobs_from_logits` is the per-token quantity inside a training loss function
   (it keeps the autograd graph).
 * :func:`compute_token_logprobs` runs a forward-only pass over a batch through Megatron's
-  pipeline schedule (TP, SP, PP, VPP) and returns the log-probs on every rank.
+  pipeline schedule (TP, SP, PP, VPP) and returns the log-probs on every rank;
+  :func:`compute_packed_token_logprobs` does the same for packed rows
+  (``megatron_logra.packing``).
 
 Shape suffixes: B = sequences, L = positions, V = this rank's vocabulary shard.
 """
@@ -31,9 +33,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
 from megatron_logra.context_parallel import gather_sequence, split_batch
+from megatron_logra.mcore.models.packed_attention import packed_seq_params
 from megatron_logra.mcore.models.sharding import unwrap_model
 from megatron_logra.mcore.process_groups import ParallelGroups
 from megatron_logra.mcore.training.forward_backward import forward_backward
@@ -94,6 +98,7 @@ class _Microbatch:
     tokens: torch.Tensor
     labels: torch.Tensor
     position_ids: torch.Tensor
+    packed_seq_params: PackedSeqParams | None = None
 
 
 def _forward_step(
@@ -105,7 +110,8 @@ def _forward_step(
     tp_rank: int,
 ) -> tuple[torch.Tensor, Any]:
     batch = next(data_iterator)
-    output = model(batch.tokens, batch.position_ids, None)
+    output = model(batch.tokens, batch.position_ids, None,
+                   packed_seq_params=batch.packed_seq_params)
 
     def collect(output_tensor: torch.Tensor, non_loss_data: bool = False) -> torch.Tensor:
         if not non_loss_data:
@@ -203,6 +209,56 @@ def compute_token_logprobs(
         ), groups.cp_rank, groups.cp_size)
         for start in range(0, size, micro_batch_size)
     ]
+    return torch.cat(_forward_only(model_chunks, microbatches, temperature=temperature,
+                                   vocab_size=vocab_size, groups=groups, length=length))
+
+
+def compute_packed_token_logprobs(
+    model_chunks: Sequence[torch.nn.Module],
+    rows: Sequence[Any],
+    *,
+    temperature: float,
+    vocab_size: int,
+    groups: ParallelGroups,
+) -> list[torch.Tensor]:
+    """float32 ``[1, T]`` log-probs of each packed row's labels, on every rank (its device).
+
+    ``rows``: this rank's packed microbatches, each with ``tokens``, ``labels``,
+    ``position_ids`` (``[1, T]``) and ``layout`` (a ``megatron_logra.packing.RowLayout``);
+    under pipeline parallelism every row has the same T (Megatron's schedule passes one
+    activation shape). Otherwise as :func:`compute_token_logprobs`.
+    """
+    _check_temperature(temperature)
+    if not rows:
+        raise ValueError("rows is empty; give this rank at least one packed row")
+    lengths = {row.tokens.shape[1] for row in rows}
+    if groups.pp_size > 1 and len(lengths) > 1:
+        raise ValueError(f"under pipeline parallelism every packed row needs the same length, "
+                         f"got {sorted(lengths)}")
+    config = unwrap_model(model_chunks[0]).config
+    if config.sequence_parallel and any(length % groups.tp_size for length in lengths):
+        raise ValueError(f"packed rows of {sorted(lengths)} tokens must be multiples of the TP "
+                         f"size {groups.tp_size} under sequence parallelism")
+    device = groups.device
+    microbatches = [
+        _Microbatch(tokens=row.tokens.to(device), labels=row.labels.to(device),
+                    position_ids=row.position_ids.to(device),
+                    packed_seq_params=packed_seq_params(row.layout, device))
+        for row in rows
+    ]
+    return _forward_only(model_chunks, microbatches, temperature=temperature,
+                         vocab_size=vocab_size, groups=groups, length=max(lengths))
+
+
+def _forward_only(
+    model_chunks: Sequence[torch.nn.Module], microbatches: list[_Microbatch], *,
+    temperature: float, vocab_size: int, groups: ParallelGroups, length: int,
+) -> list[torch.Tensor]:
+    """The ``[b, L]`` log-probs of each of ``microbatches`` on every rank (under pipeline
+    parallelism all of one shape ``[b, length]``: the last stage broadcasts them)."""
+    device = groups.device
+    micro_batch_size = microbatches[0].tokens.shape[0]
+    num_microbatches = len(microbatches)
     modes = [module.training for chunk in model_chunks for module in chunk.modules()]
     for chunk in model_chunks:
         chunk.eval()
@@ -219,17 +275,20 @@ def compute_token_logprobs(
         modules = [module for chunk in model_chunks for module in chunk.modules()]
         for module, mode in zip(modules, modes, strict=True):
             module.training = mode
-    if groups.pp_rank == groups.pp_size - 1:
-        if len(collected) != num_microbatches:
-            raise RuntimeError(
-                f"the schedule returned {len(collected)} results for {num_microbatches} "
-                "microbatches"
-            )
+    last_stage = groups.pp_rank == groups.pp_size - 1
+    if last_stage and len(collected) != num_microbatches:
+        raise RuntimeError(
+            f"the schedule returned {len(collected)} results for {num_microbatches} microbatches"
+        )
+    if groups.pp_size == 1:
+        return [gather_sequence(batch.float().contiguous(), groups.cp, groups.cp_size)
+                for batch in collected]
+    size = sum(batch.tokens.shape[0] for batch in microbatches)
+    if last_stage:
         result = gather_sequence(torch.cat(list(collected), dim=0).float().contiguous(),
                                  groups.cp, groups.cp_size)
     else:
         result = torch.empty(size, length, dtype=torch.float32, device=device)
-    if groups.pp_size > 1:
-        last = dist.get_process_group_ranks(groups.pp)[-1]
-        dist.broadcast(result, src=last, group=groups.pp)
-    return result
+    last = dist.get_process_group_ranks(groups.pp)[-1]
+    dist.broadcast(result, src=last, group=groups.pp)
+    return list(result.split([batch.tokens.shape[0] for batch in microbatches]))

@@ -4,7 +4,8 @@ The model uses Megatron's local layer spec with three substitutions: the four ta
 are the sketch-capable subclasses of Megatron's parallel linears (identical to Megatron's layers
 until a sketch is attached), the norms accept sequence parallelism, and core attention is the one
 ``model.attention`` names (``sdpa``: :class:`SDPAttention`, no ``s x s`` storage; ``local``:
-Megatron's ``DotProductAttention``; ``te``: Transformer Engine's fused attention and norms, on GPU).
+Megatron's ``DotProductAttention``, taking packed sequences too (:mod:`.packed_attention`);
+``te``: Transformer Engine's fused attention and norms, on GPU).
 
 Initialisation is layout independent by construction: every parameter is drawn as its full TP=1
 tensor from a generator seeded by ``(train.seed, global parameter name)`` and this rank's shard
@@ -23,7 +24,6 @@ import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
-from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
@@ -33,6 +33,7 @@ from megatron_logra.config import Config, ModelConfig
 from megatron_logra.config.moe import is_moe_layer
 from megatron_logra.mcore.models.moe import moe_mlp_spec, moe_transformer_kwargs
 from megatron_logra.mcore.models.norms import SequenceParallelTorchNorm
+from megatron_logra.mcore.models.packed_attention import PackedDotProductAttention
 from megatron_logra.mcore.models.sdpa_attention import SDPAttention
 from megatron_logra.mcore.models.sharding import (
     full_shape,
@@ -130,7 +131,7 @@ def gpt_layer_spec(
         norm, core_attention = transformer_engine_modules()
     else:
         norm = SequenceParallelTorchNorm
-        core_attention = SDPAttention if m.attention == "sdpa" else DotProductAttention
+        core_attention = SDPAttention if m.attention == "sdpa" else PackedDotProductAttention
     layer.self_attention.submodules.core_attention = core_attention
     layer.input_layernorm = norm
     layer.pre_mlp_layernorm = norm

@@ -26,6 +26,10 @@ runs :func:`~megatron_logra.mcore.models.cp_attention.context_parallel_attention
 CP group (keys and values all-gathered, exact). ``cp_group = None`` makes the layer attend
 within its rank's own tokens (``mcore/models/context_parallel.py``: the sampler's whole
 sequences).
+
+Packed sequences (Megatron's ``thd`` ``PackedSeqParams``) are attended one causal block per
+sequence (:mod:`megatron_logra.mcore.models.packed_attention`); packing runs without context
+parallelism.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_logra.mcore.models.cp_attention import context_parallel_attention
+from megatron_logra.mcore.models.packed_attention import packed_sdpa
 from megatron_logra.mcore.models.sdpa_forward_ad import attention
 
 
@@ -97,8 +102,17 @@ class SDPAttention(MegatronModule):
     ) -> torch.Tensor:
         """``[s_q, b, heads, d]`` queries, ``[s_k, b, kv_heads, d]`` keys and values ->
         ``[s_q, b, heads * d]``."""
-        if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("packed sequences and attention bias need model.attention=te")
+        if attention_bias is not None:
+            raise ValueError("attention bias needs model.attention=te")
+        if packed_seq_params is not None:
+            if attention_mask is not None:
+                raise ValueError("packed sequences take no attention mask: each sequence "
+                                 "attends causally to itself")
+            if self.cp_group is not None:
+                raise ValueError("packed sequences are not split over context parallelism; the "
+                                 "config turns train.packing off when parallel.cp > 1")
+            # thd: [T, heads, d], one causal block per sequence (packed_attention.py).
+            return packed_sdpa(query, key, value, packed_seq_params, self.softmax_scale)
         s_q, batch, heads, head_dim = query.shape
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         if self.cp_group is not None:

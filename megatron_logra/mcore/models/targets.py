@@ -29,7 +29,7 @@ SUPPORTED_LAYERS: dict[str, tuple[str, ...]] = {
     "": ("TransformerLayer",),
     "self_attention": ("SelfAttention",),
     "self_attention.core_attention": (
-        "SDPAttention", "DotProductAttention", "TEDotProductAttention",
+        "SDPAttention", "PackedDotProductAttention", "TEDotProductAttention",
     ),
     "mlp": ("MLP", "MoELayer"),
 }

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from megatron_logra.context_parallel import split_batch
 from megatron_logra.data.lm_batches import Microbatch
+from megatron_logra.mcore.models.packed_attention import packed_seq_params
 from megatron_logra.mcore.process_groups import ParallelGroups
 from megatron_logra.mcore.training.forward_backward import forward_backward
 from megatron_logra.mcore.training.setup import TrainingSetup
@@ -44,7 +45,10 @@ def _loss_func(
 
 def _forward_step(data_iterator: Iterator[Microbatch], model: torch.nn.Module) -> tuple[Any, Any]:
     batch = next(data_iterator)
-    output = model(batch.tokens, batch.position_ids, None, labels=batch.labels)
+    packed = (packed_seq_params(batch.layout, batch.tokens.device)
+              if batch.layout is not None else None)
+    output = model(batch.tokens, batch.position_ids, None, labels=batch.labels,
+                   packed_seq_params=packed)
     return output, functools.partial(_loss_func, batch.loss_mask)
 
 

@@ -4,7 +4,8 @@ What ``megatron-logra train`` does per step, counted by
 :class:`megatron_logra.memory.live_tensors.LiveTensorTracker`: the run's own model, DDP and
 optimizer (``setup_training``), one global batch of random tokens, and -- with
 ``logra.kl_control.enabled`` -- the probe batch of a supervised step and the realised-KL pass
-after the update, as the supervised loop runs them. A warm-up step first allocates the
+after the update, as the supervised loop runs them; with ``train.packing`` the batch's
+sequences packed whole into token-budget rows, as the supervised trainer packs prompt data. A warm-up step first allocates the
 optimizer state; everything alive after it is the persistent state (labelled by category), and
 the peak is that of the next step. The estimator (:mod:`megatron_logra.memory.estimate`) is
 checked against this (tools/estimate_vs_measured.py, tests/unit/test_estimate_vs_measured.py).
@@ -26,6 +27,8 @@ from megatron_logra.mcore.process_groups import ParallelGroups
 from megatron_logra.mcore.training.setup import TrainingSetup, setup_training
 from megatron_logra.mcore.training.step import train_step
 from megatron_logra.memory.live_tensors import LiveTensorTracker
+from megatron_logra.packing import RowLayout, pack_row, plan_packs
+from megatron_logra.packing.plan import row_multiple
 from megatron_logra.probe_batch import supervised_probe_batch
 
 PERSISTENT = "persistent"
@@ -68,6 +71,31 @@ def random_microbatches(cfg: Config, groups: ParallelGroups, *, vocab_size: int,
     ]
 
 
+def packed_rows(cfg: Config, microbatches: list[Microbatch]) -> list[Microbatch]:
+    """The sequences of ``microbatches`` (every token counted) packed whole into rows of
+    ``train.packing.max_tokens_per_microbatch`` tokens, as the supervised trainer packs its
+    prompt data (one rank's: the plan is over this rank's sequences)."""
+    p = cfg.parallel
+    tokens = [row for batch in microbatches for row in batch.tokens]
+    labels = [row for batch in microbatches for row in batch.labels]
+    plan = plan_packs([len(row) for row in tokens],
+                      max_tokens=cfg.train.packing.max_tokens_per_microbatch, dp_size=1,
+                      algorithm=cfg.train.packing.algorithm, row_multiple=row_multiple(p.tp, p.sp),
+                      uniform_rows=p.pp > 1)
+    device = microbatches[0].tokens.device
+    rows = []
+    for pack in plan.ranks[0]:
+        layout = RowLayout.of(pack)
+        rows.append(Microbatch(
+            tokens=pack_row([tokens[i] for i in pack.indices], layout, 0).to(device),
+            labels=pack_row([labels[i] for i in pack.indices], layout, 0).to(device),
+            loss_mask=pack_row([torch.ones(len(tokens[i])) for i in pack.indices], layout,
+                               0.0, dtype=torch.float32).to(device),
+            position_ids=layout.position_ids().to(device), layout=layout,
+        ))
+    return rows
+
+
 def _label_persistent(tracker: LiveTensorTracker, setup: TrainingSetup) -> None:
     params = [p for chunk in setup.model_chunks for p in chunk.parameters()]
     tracker.label(params, "weights")
@@ -85,8 +113,13 @@ def _step(cfg: Config, setup: TrainingSetup, batch: list[Microbatch],
     if control is not None:
         control.set_batch(supervised_probe_batch(batch, cfg.logra.kl_control,
                                                  dp_rank=groups.data_rank))
-    train_step(setup, batch, groups=groups, seq_length=cfg.model.seq_length,
-               micro_batch_size=cfg.train.micro_batch_size)
+    if cfg.train.packing.enabled:
+        rows = packed_rows(cfg, batch)
+        train_step(setup, rows, groups=groups, seq_length=max(r.tokens.shape[1] for r in rows),
+                   micro_batch_size=1)
+    else:
+        train_step(setup, batch, groups=groups, seq_length=cfg.model.seq_length,
+                   micro_batch_size=cfg.train.micro_batch_size)
     if control is None:
         return False
     before = tracker.peak_bytes if tracker is not None else 0

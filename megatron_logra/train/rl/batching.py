@@ -12,13 +12,14 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_logra.packing.rows import RowLayout
 from megatron_logra.rl.rollout import PaddedRollout, RolloutBatch
 
 
 @dataclass(frozen=True)
 class RLMicrobatch:
     """One microbatch of the policy update (``[b, s]`` tensors on the device, ``[b]`` for the
-    per-response ones)."""
+    per-response ones; packed: see ``layout``)."""
 
     tokens: torch.Tensor
     labels: torch.Tensor
@@ -31,6 +32,12 @@ class RLMicrobatch:
     old_logprobs: torch.Tensor | None = None
     """The trainer's log-probs before the first update on this batch (rl.updates_per_rollout
     > 1); None: the ratio is taken against the current log-probs."""
+    layout: RowLayout | None = None
+    """A packed microbatch (train.packing): ``tokens``, ``labels`` and ``position_ids`` are one
+    ``[1, T]`` row holding several sequences, laid out as this says; every other tensor is per
+    sequence (``[N, L]``, ``[N]``), as in an unpacked microbatch. None: unpacked."""
+    gather: tuple[torch.Tensor, torch.Tensor] | None = None
+    """The layout's gather index (RowLayout.gather_index) on the device."""
 
 
 def pad_to_length(rollout: RolloutBatch, length: int, pad_id: int) -> PaddedRollout:

@@ -4,8 +4,10 @@
    ``rl.samples_per_prompt``); the rollout engine samples this data-parallel rank's share with
    the current weights; rewards of the share; correctness and lengths gathered over DP, and the
    preset's advantages computed on the whole global batch, identically on every rank;
-2. **batching** (:mod:`.batching`): responses padded to model.seq_length and cut into this
-   rank's microbatches; the KL probe set (the first responses of the global batch);
+2. **batching** (:mod:`.update_batches`): the step's sequences packed into token-budget rows
+   balanced over DP (train.packing, the default) or padded to model.seq_length
+   (:mod:`.batching`), with the reference and old log-probs over the same microbatches; the KL
+   probe set (the first responses of the global batch);
 3. **policy update** (:mod:`.policy_update`): the preset's loss through Megatron's schedule, the
    rollout-vs-trainer gap on completed responses fed to the KL controller's mismatch term, one
    optimizer step (LoGRA predicts the KL of its update on the probe set and scales it), and the
@@ -34,7 +36,6 @@ from megatron_logra.mcore import (
     MegatronSampler,
     ParallelGroups,
     build_model_chunks,
-    compute_token_logprobs,
     load_model_weights,
     setup_training,
 )
@@ -46,7 +47,7 @@ from megatron_logra.rl.rewards import build_reward
 from megatron_logra.rollout.factory import make_engine, vllm_checkpoint_dir
 from megatron_logra.train.loop import run
 from megatron_logra.train.metrics import memory_bytes
-from megatron_logra.train.rl.batching import pad_to_length, rl_microbatches
+from megatron_logra.train.rl.batching import pad_to_length
 from megatron_logra.train.rl.engine_checkpoint import write_engine_checkpoint
 from megatron_logra.train.rl.engine_rollouts import SeparateEngineRollouts
 from megatron_logra.train.rl.engine_waits import EngineWaits
@@ -60,6 +61,7 @@ from megatron_logra.train.rl.rollout_log import (
     rollout_records,
 )
 from megatron_logra.train.rl.rollouts import collect_rollouts
+from megatron_logra.train.rl.update_batches import update_batches
 
 
 def rl(cfg: Config) -> dict[str, Any]:
@@ -174,33 +176,20 @@ class RLJob:
         if groups.world_rank == 0 and cfg.rl.logged_rollouts:
             append_rollouts(Path(cfg.run.dir), rollout_records(
                 step + 1, problems, scored, self.encoder.builder, cfg.rl.logged_rollouts))
-        padded = pad_to_length(scored.rollout, cfg.model.seq_length, self.encoder.pad_id)
-        reference_logprobs = None
-        if self.reference is not None:
-            reference_logprobs = compute_token_logprobs(
-                self.reference, padded.tokens, padded.labels,
-                temperature=padded.logprob_temperature, vocab_size=self.vocab_size,
-                groups=groups, micro_batch_size=cfg.train.micro_batch_size,
-            ).cpu()
-        old_logprobs = None
-        if cfg.rl.updates_per_rollout > 1:
-            # The GRPO ratio's "old" policy: the trainer's own log-probs before the first update.
-            old_logprobs = compute_token_logprobs(
-                setup.model_chunks, padded.tokens, padded.labels,
-                temperature=padded.logprob_temperature, vocab_size=self.vocab_size,
-                groups=groups, micro_batch_size=cfg.train.micro_batch_size,
-            ).cpu()
-        microbatches = rl_microbatches(padded, scored.advantages, reference_logprobs,
-                                       micro_batch_size=cfg.train.micro_batch_size,
-                                       device=groups.device, old_logprobs=old_logprobs)
-        probe = (rollout_probe_batch(padded, scored.share, cfg.logra.kl_control, groups.device)
-                 if setup.kl_control is not None else None)
+        batches = update_batches(cfg, scored, pad_id=self.encoder.pad_id, groups=groups,
+                                 policy=setup.model_chunks, reference=self.reference,
+                                 vocab_size=self.vocab_size)
+        probe = None
+        if setup.kl_control is not None:
+            padded = pad_to_length(scored.rollout, cfg.model.seq_length, self.encoder.pad_id)
+            probe = rollout_probe_batch(padded, scored.share, cfg.logra.kl_control,
+                                        groups.device)
         step_metrics = setup.step_metrics()
         updates = [
             update_policy(
-                setup, microbatches, self.preset.loss, probe=probe,
-                seq_length=cfg.model.seq_length, micro_batch_size=cfg.train.micro_batch_size,
-                vocab_size=self.vocab_size, temperature=padded.logprob_temperature,
+                setup, batches.microbatches, self.preset.loss, probe=probe,
+                seq_length=batches.seq_length, micro_batch_size=batches.micro_batch_size,
+                vocab_size=self.vocab_size, temperature=batches.temperature,
                 groups=groups, observe_mismatch=index == 0,
             )
             for index in range(cfg.rl.updates_per_rollout)
@@ -245,6 +234,7 @@ class RLJob:
             **kl_metrics,
             **(setup.logra.update_metrics() if setup.logra is not None else {}),
             "tokens": generated,
+            **batches.metrics(),
             "step_time_s": elapsed,
             # The phases' own times: the rollouts with their rewards; the batching, log-probs
             # and updates; a separate engine's sync is sync_time_s.

@@ -22,8 +22,10 @@ from megatron_logra.mcore import (
     ParallelGroups,
     TrainingSetup,
     forward_backward,
+    packed_seq_params,
     token_logprobs_from_logits,
 )
+from megatron_logra.packing import unpack_row
 from megatron_logra.probe_batch import ProbeBatch
 from megatron_logra.rl.losses import rollout_gap_max, rollout_mismatch_sums
 from megatron_logra.rl.presets import PolicyLoss
@@ -85,11 +87,16 @@ def _forward_step(
     vocab_size: int, tp_rank: int, temperature: float,
 ) -> tuple[Any, Any]:
     batch = next(data_iterator)
-    output = model(batch.tokens, batch.position_ids, None)
+    packed = (packed_seq_params(batch.layout, batch.tokens.device)
+              if batch.layout is not None else None)
+    output = model(batch.tokens, batch.position_ids, None, packed_seq_params=packed)
 
     def loss_func(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         logprobs = token_logprobs_from_logits(logits, batch.labels, temperature=temperature,
                                               vocab_size=vocab_size, tp_rank=tp_rank)
+        if batch.layout is not None:
+            # The packed row's log-probs per sequence: the loss sees an unpacked microbatch.
+            logprobs = unpack_row(logprobs, batch.layout, index=batch.gather)
         token_loss, ratio_sum = loss(
             logprobs, rollout_logprobs_BL=batch.rollout_logprobs, advantages_B=batch.advantages,
             response_mask_BL=batch.response_mask, reference_logprobs_BL=batch.reference_logprobs,
