@@ -61,10 +61,13 @@ def _case(name, generator):
     return primals, tangents, allowed, is_causal
 
 
-@pytest.mark.parametrize("query_block", [1024, 5])  # one block; several, with a ragged last one
+# One block; blocks of a few rows (causal: growing key ranges, a ragged last block); blocks
+# of one row, the least any budget allows.
+@pytest.mark.parametrize("block_elements", [2**24, 5 * BATCH * HEADS * 12, 1])
 @pytest.mark.parametrize("name", ["causal", "causal_gqa", "mask_with_empty_row", "decode_row"])
-def test_tangent_of_sdpa_attention_equals_reference_jvp_in_float64(name, query_block, monkeypatch):
-    monkeypatch.setattr(sdpa_forward_ad, "QUERY_BLOCK", query_block)
+def test_tangent_of_sdpa_attention_equals_reference_jvp_in_float64(name, block_elements,
+                                                                   monkeypatch):
+    monkeypatch.setattr(sdpa_forward_ad, "BLOCK_ELEMENTS", block_elements)
     generator = torch.Generator().manual_seed(0)
     primals, tangents, allowed, is_causal = _case(name, generator)
     scale = SCALE
