@@ -58,7 +58,8 @@ class KLControlSettings:
             on which the KL is predicted and measured. The paper takes 2 per data-parallel rank;
             a global count keeps alpha independent of the data-parallel size (8 = the paper's
             2 per rank on its 4 training GPUs).
-        probe_max_tokens: each probe response is truncated to this many tokens.
+        probe_max_tokens: at most this many of each probe response's generated positions are
+            probed (its prompt runs before them as context, uncounted).
     """
 
     kl_budget: float = 2e-4

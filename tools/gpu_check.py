@@ -22,6 +22,9 @@ Sections (one function each, returning its figures):
 * ``memory``: ``tools/bench_methods.py --device cuda`` on a ~1B-shaped GPT at 4096 tokens:
   ``torch.cuda.max_memory_allocated`` of dense Adam, LoRA and LoGRA beside the estimator's total;
 * ``master_merge``: ``tools/bench_master_merge.py --device cuda``: one merge per master store;
+* ``kl_probe``: ``tools/bench_kl_probe.py --device cuda`` (paper mode under KL control, a
+  ~1B-shaped GPT, one 8192-token sequence, bf16): the streamed probe's passes allocate less
+  than the step's forward and backward; the pass's time against a forward, the probe's share;
 * ``sync_megatron``: the RL job's Megatron engine on its own GPU kept in step by low-rank sync
   over the NCCL channel; bytes and sync time against full sync (tools/gpu_check_sync.py);
 * ``vllm``: CUDA vLLM (``.venv-vllm-cuda``) kept in step by low-rank sync over the collective
@@ -92,12 +95,17 @@ MEMORY_MODEL = ["--layers", "16", "--hidden", "2048", "--heads", "16", "--ffn", 
                 "--vocab", "32000", "--seq-length", "4096", "--micro-batch-size", "1",
                 "--sketch-rank", "256"]
 MERGE_SHAPES = ((4096, 4096), (28672, 4096))  # a square projection; a 7B-sized fused fc1
-# Seconds each section may run; together 470 s, so these four stay under 8 minutes (the sync
-# sections have their own budgets, 390 s: tools/gpu_check_sync.py).
+# Seconds each section may run; together 680 s (the sync sections have their own budgets,
+# 390 s: tools/gpu_check_sync.py).
 # memory gets most: bench_methods starts 4 processes, and the model's layout-invariant
 # initialisation draws every full weight from a CPU generator (1e9 normals per model).
 BUDGET_S = {"tp_parity": 130, "te_spec": 70, "memory": 240, "master_merge": 30,
-            "moe_grouped": 60}
+            "moe_grouped": 60, "kl_probe": 150}
+# The streamed KL probe: the memory section's ~1B shape at one 8192-token sequence in bf16,
+# paper mode under KL control (the probe is the whole sequence).
+KL_PROBE_MODEL = ["--layers", "16", "--hidden", "2048", "--heads", "16", "--ffn", "5632",
+                  "--vocab", "32000", "--seq-length", "8192", "--sketch-rank", "256",
+                  "--dtype", "bf16"]
 # Grouped bf16 expert sketches vs the fp32 per-expert loop: bf16 inputs and one bf16 rounding of
 # each P and S entry (2^-8 relative), summed over hundreds of tokens (the CPU run: 2.3e-3).
 GROUPED_SKETCH_BF16_REL = 2e-2
@@ -261,9 +269,28 @@ def moe_grouped(out: Path) -> dict[str, Any]:
     return figures
 
 
+def kl_probe(out: Path) -> dict[str, Any]:
+    """The streamed KL probe on the GPU (tools/bench_kl_probe.py --device cuda): the probe's
+    forward-mode pass and the realised-KL pass must allocate less than the step's forward and
+    backward (torch.cuda.max_memory_allocated of each phase); the pass's time against a plain
+    forward and the probe's share of the step are recorded."""
+    require(cuda_missing())
+    deadline = time.monotonic() + BUDGET_S["kl_probe"]
+    stdout = run_logged([sys.executable, "tools/bench_kl_probe.py", "--device", "cuda",
+                         *KL_PROBE_MODEL, "--warmup", "1", "--steps", "2", "--json"],
+                        deadline, out / "kl_probe.log")
+    figures = json.loads(stdout[stdout.index("{"):])
+    figures["model"] = " ".join(KL_PROBE_MODEL)
+    if not figures["probe_below_backward"]:
+        raise SectionFailed("the KL probe set the step's peak: "
+                            f"{figures['peak_allocated_bytes']}", figures)
+    return figures
+
+
 SECTIONS: dict[str, Callable[[Path], dict[str, Any]]] = {
     "tp_parity": tp_parity, "te_spec": te_spec, "memory": memory,
-    "master_merge": master_merge, "moe_grouped": moe_grouped, **gpu_check_sync.SECTIONS,
+    "master_merge": master_merge, "moe_grouped": moe_grouped, "kl_probe": kl_probe,
+    **gpu_check_sync.SECTIONS,
 }
 
 

@@ -48,7 +48,9 @@ def layout_of(cfg: Config) -> Layout:
 
 
 def kl_probe_of(cfg: Config) -> KLProbe | None:
-    """The KL probe of a supervised step on one DP rank (the batch's first sequences)."""
+    """The KL probe of a supervised step on one DP rank (the batch's first sequences, each a
+    piece of at most ``probe_max_tokens`` counted positions); library mode trains the output
+    layer, whose weight the realised KL then keeps a copy of."""
     kl = cfg.logra.kl_control
     if cfg.optimizer.name != "logra" or not kl.enabled:
         return None
@@ -56,7 +58,8 @@ def kl_probe_of(cfg: Config) -> KLProbe | None:
     per_rank = cfg.train.global_batch_size // dp
     # DP rank 0 holds the most probe sequences: the first ones of the global batch.
     return KLProbe(sequences=min(kl.probe_responses, per_rank),
-                   tokens_per_sequence=min(kl.probe_max_tokens, cfg.model.seq_length))
+                   tokens_per_sequence=min(kl.probe_max_tokens, cfg.model.seq_length),
+                   output_trains=cfg.logra.mode != "paper")
 
 
 def estimate_for_config(cfg: Config, *, vocab_size: int) -> MemoryBreakdown:

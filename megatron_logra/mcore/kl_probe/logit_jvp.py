@@ -147,12 +147,15 @@ def _injection_hook(target: SketchTarget, direction: LowRankDirection) -> Any:
         input_ = args[0] if args else kwargs["input_"]
         primal_input = fwAD.unpack_dual(input_).primal
         out, bias = output
-        primal_out = fwAD.unpack_dual(out).primal
+        primal_out, upstream = fwAD.unpack_dual(out)
         tangent = _output_tangent(target, primal_input, direction, primal_out.shape)
-        # Adding a dual zero keeps any upstream tangent and adds this layer's term to it; the
-        # primal is unchanged bit for bit (x + 0 == x).
-        injected = fwAD.make_dual(torch.zeros_like(primal_out), tangent.to(primal_out.dtype))
-        return out + injected, bias
+        tangent = tangent.to(primal_out.dtype)
+        if upstream is not None:
+            tangent = tangent.add_(upstream) if tangent.dtype == upstream.dtype else (
+                upstream + tangent)
+        # The same primal (a view, not a copy) with this layer's term added to any upstream
+        # tangent.
+        return fwAD.make_dual(primal_out, tangent), bias
 
     return hook
 

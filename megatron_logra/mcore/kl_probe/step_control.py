@@ -98,6 +98,8 @@ class KLStepControl:
         self.predicted_piece_sums: list[TokenSum] = []
         """This rank's sums of the last prediction, one per laid-out piece (on the ranks that
         hold the output; empty elsewhere)."""
+        self.realised_piece_sums: list[TokenSum] = []
+        """The same of the last realised-KL measurement."""
 
     @property
     def pieces(self) -> list[ProbePiece]:
@@ -166,6 +168,7 @@ class KLStepControl:
                                  pipeline=self.pipeline, holds_output=self._holds_logits())
         finally:
             self._kept = None
+        self.realised_piece_sums = sums
         return self._global_mean(sums, "realised")
 
     def metrics(self, realised: float) -> dict[str, float]:

@@ -14,6 +14,11 @@ The probe's memory must not grow with ``tokens x vocabulary``. Two things bound 
   sequence-gathered input, then the last stage's fp32 cast), and reduces it into its sums at
   once. Only counted positions reach the output layer (a prompt's logits are never needed).
 
+Inside a piece, every dense layer's MLP runs over the piece's positions in chunks
+(:data:`MLP_CHUNK_ELEMENTS`): it is position-wise, so the result is the same, and its
+``[tokens, ffn]`` temporaries with their tangents -- the widest of a forward-mode pass -- stay
+bounded. (The core attention's tangent rule bounds its own blocks, ``sdpa_forward_ad``.)
+
 Every rank runs the same pieces in the same order (the forwards are collective over tensor,
 pipeline and -- with expert parallelism -- expert-parallel ranks); :func:`layout_pieces` pads
 each piece to what the layout needs (a multiple of TP under sequence parallelism) and, with
@@ -27,11 +32,14 @@ V = this rank's vocabulary shard.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.autograd.forward_ad as fwAD
 import torch.distributed as dist
+from megatron.core.transformer.mlp import MLP
 
 from megatron_logra.mcore.kl_probe.logit_jvp import (
     LOST_TANGENT,
@@ -45,6 +53,12 @@ from megatron_logra.mcore.models.targets import SketchTarget
 from megatron_logra.mcore.tensor_parallel.seq_collectives import all_gather_first_dim
 from megatron_logra.probe_batch import ProbeBatch, ProbePiece
 
+MLP_CHUNK_ELEMENTS = 2**22
+"""Elements of one ``[rows, ffn/tp]`` slice of a dense MLP in a probe forward: the MLP runs over
+the piece's positions in chunks of that many rows (it is position-wise), so its widest moment --
+fc1's output and its tangent, the gated activation's products and theirs, ~14 such slices -- is
+bounded whatever the piece's length (16 MiB a slice in fp32; at ffn 18944 / tp 2 with sequence
+parallelism, 221 rows per rank)."""
 OUTPUT_CHUNK_POSITIONS = 64
 """Counted positions per chunk of the output layer: a chunk's fp32 logits and tangent and the
 KL's float64 temporaries are ``64 x V/tp`` each (~80 MB per float64 copy at a 152k vocabulary,
@@ -142,6 +156,42 @@ def _final_hidden(capture: _Capture, piece: ProbePiece, sequence_parallel: bool,
     )
 
 
+def _chunked(forward: Callable[..., Any], rows: int) -> Callable[..., Any]:
+    """An MLP's forward over the first (sequence) dimension in chunks of ``rows``: each rank
+    chunks its own rows, so under sequence parallelism fc1 gathers and fc2 reduce-scatters the
+    same rows on every rank, in rank order."""
+
+    def chunked(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if hidden_states.shape[0] <= rows or args or kwargs.get("per_token_scale") is not None:
+            return forward(hidden_states, *args, **kwargs)
+        outputs, bias = [], None
+        for start in range(0, hidden_states.shape[0], rows):
+            output, bias = forward(hidden_states[start:start + rows], **kwargs)
+            outputs.append(output)
+        return torch.cat(outputs), bias
+
+    return chunked
+
+
+@contextmanager
+def _chunked_mlps(model_chunks: Sequence[torch.nn.Module]) -> Iterator[None]:
+    """Every dense decoder layer's MLP (an MoE layer's experts exchange tokens with other
+    ranks, which must see the same calls, so they run whole) chunked for the probe's passes."""
+    config = unwrap_model(model_chunks[0]).config
+    tp = config.tensor_model_parallel_size
+    gathered = tp if config.sequence_parallel and tp > 1 else 1
+    rows = max(1, MLP_CHUNK_ELEMENTS * tp // (config.ffn_hidden_size * gathered))
+    mlps = [module.mlp for chunk in model_chunks for module in unwrap_model(chunk).modules()
+            if isinstance(getattr(module, "mlp", None), MLP)]
+    try:
+        for mlp in mlps:
+            mlp.forward = _chunked(type(mlp).forward.__get__(mlp), rows)
+        yield
+    finally:
+        for mlp in mlps:
+            mlp.__dict__.pop("forward", None)
+
+
 def run_pieces(
     model_chunks: Sequence[torch.nn.Module],
     pieces: Sequence[ProbePiece],
@@ -167,7 +217,8 @@ def run_pieces(
         _install_capture(layer, capture)
     dual = directions is not None
     try:
-        with probe_mode(model_chunks, targets=targets, directions=directions):
+        with probe_mode(model_chunks, targets=targets, directions=directions), \
+                _chunked_mlps(model_chunks):
             for index, piece in enumerate(pieces):
                 staged_forward(model_chunks, piece.tokens, piece.position_ids,
                                pipeline=pipeline, dual=dual)

@@ -6,7 +6,7 @@ fixed global batch of ragged sequences (a masked prompt, counted response positi
 padding after them). The step control streams its probe (one unpadded piece per response, the
 output layer chunk by chunk, the realised KL from the kept final hidden states); beside it, at
 every step, the worker computes what the previous implementation computed on the same proposal:
-the whole padded probe rows through ``logit_jvp`` (the model's own output layer, ``[b, s, V]``
+the whole padded probe rows through ``logit_jvp`` (one pass, MLPs unchunked) (the model's own output layer, ``[b, s, V]``
 logits and tangent), the vocab-parallel predicted KL over the mask, alpha from the controller's
 arithmetic, and after the update the realised KL from the kept whole pre-update logits and a
 plain forward (``probe_logits``).
@@ -29,7 +29,9 @@ from megatron_logra.config import load_config
 from megatron_logra.controller import step_scale
 from megatron_logra.data.lm_batches import Microbatch
 from megatron_logra.kl import exact_kl_vocab_parallel, predicted_kl_vocab_parallel
+from megatron_logra.mcore.kl_probe import stream
 from megatron_logra.mcore.kl_probe.logit_jvp import LowRankDirection, logit_jvp, probe_logits
+from megatron_logra.mcore.models import sdpa_forward_ad
 from megatron_logra.mcore.models.gpt import build_model_chunks
 from megatron_logra.mcore.training.setup import setup_training
 from megatron_logra.mcore.training.step import train_step
@@ -57,6 +59,11 @@ BASE = [
     "logra.kl_control.kl_budget_final=2e-4",
     f"logra.kl_control.probe_responses={PROBE_RESPONSES}",
 ]
+# Budgets small enough that at these sizes every piece's MLP runs in several chunks of rows (10
+# local rows at ffn 128) and the attention tangent rule in several blocks (4 heads x 8 rows of
+# 32 keys), as they do at RL lengths with the real budgets.
+MLP_CHUNK_ELEMENTS = 10 * 128
+ATTENTION_BLOCK_ELEMENTS = 4 * 8 * 32
 MOE = ["model.num_moe_experts=4", "model.moe_ffn_hidden_size=32", "model.moe_router_topk=2",
        "model.moe_token_dispatcher=alltoall"]
 LAYOUTS: dict[str, list[str]] = {
@@ -165,6 +172,8 @@ class WholeBatchProbe:
 
 
 def controlled_steps(cfg, groups) -> dict[str, Any]:
+    stream.MLP_CHUNK_ELEMENTS = MLP_CHUNK_ELEMENTS
+    sdpa_forward_ad.BLOCK_ELEMENTS = ATTENTION_BLOCK_ELEMENTS
     torch.manual_seed(1234)
     chunks = build_model_chunks(cfg, groups, vocab_size=VOCAB)
     setup = setup_training(cfg, chunks, groups, kl_vocab_size=VOCAB)
