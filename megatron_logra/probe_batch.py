@@ -7,8 +7,9 @@ Torch only.
 
 A probe batch is a sequence of bounded :class:`ProbePiece` s, each run through the probe's
 forward-mode pass on its own, so the probe's memory follows the largest piece, not the number of
-probe responses. Today a piece is one response at its real length (its prompt and its first
-``probe_max_tokens`` response tokens, no padding), as the authors' probe runs them; a piece may
+probe responses. The probe is ``probe_responses`` responses evenly spaced through the global batch
+(:func:`megatron_logra.probe_selection.probe_indices`). Today a piece is one response at its real length (its prompt and its
+first ``probe_max_tokens`` response tokens, no padding), as the authors' probe runs them; a piece may
 later be a packed row of several whole responses (``cu_seqlens``), which the streaming does not
 need to know about.
 """
@@ -21,6 +22,7 @@ import torch
 
 from megatron_logra.config import KLControlConfig
 from megatron_logra.data.lm_batches import Microbatch
+from megatron_logra.probe_selection import probe_indices
 from megatron_logra.rl.rollout import PaddedRollout
 
 
@@ -137,37 +139,41 @@ def response_piece(tokens: torch.Tensor, position_ids: torch.Tensor, mask: torch
                       mask=mask[None, :end].clone())
 
 
-def _first_rows(rows: range, per_rank_start: int, settings: KLControlConfig) -> range:
-    """The rows of this rank among the global batch's first ``probe_responses``."""
-    take = max(0, min(settings.probe_responses - per_rank_start, len(rows)))
-    return range(take)
+def _local_rows(share: range, global_size: int, settings: KLControlConfig) -> list[int]:
+    """This rank's rows (indices into its share) that are probe responses, in order."""
+    return [i - share.start for i in probe_indices(global_size, settings.probe_responses)
+            if i in share]
 
 
 def supervised_probe_batch(
-    microbatches: list[Microbatch], settings: KLControlConfig, *, dp_rank: int
+    microbatches: list[Microbatch], settings: KLControlConfig, *, dp_rank: int, dp_size: int
 ) -> ProbeBatch:
-    """The KL probe of a supervised step: the first ``probe_responses`` sequences of the global
-    batch that this DP rank holds (possibly none), one piece each, every label position
-    counted, at most ``probe_max_tokens`` of them."""
+    """The KL probe of a supervised step: this DP rank's share (possibly none) of the global
+    batch's ``probe_responses`` evenly spaced sequences (:func:`probe_indices`; the ranks hold
+    equal contiguous shares), one piece each, every label position counted, at most
+    ``probe_max_tokens`` of them."""
     per_rank = sum(batch.tokens.shape[0] for batch in microbatches)
     if per_rank == 0:
         return ProbeBatch(pieces=())
+    share = range(dp_rank * per_rank, (dp_rank + 1) * per_rank)
     tokens = torch.cat([batch.tokens for batch in microbatches])
     positions = torch.cat([batch.position_ids for batch in microbatches])
     mask = torch.cat([batch.loss_mask for batch in microbatches]) > 0
     pieces = (response_piece(tokens[i], positions[i], mask[i], settings.probe_max_tokens)
-              for i in _first_rows(range(per_rank), dp_rank * per_rank, settings))
+              for i in _local_rows(share, per_rank * dp_size, settings))
     return ProbeBatch(pieces=tuple(piece for piece in pieces if piece is not None))
 
 
 def rollout_probe_batch(
-    padded: PaddedRollout, share: range, settings: KLControlConfig, device: torch.device
+    padded: PaddedRollout, share: range, settings: KLControlConfig, device: torch.device, *,
+    global_size: int,
 ) -> ProbeBatch:
-    """The first ``probe_responses`` responses of the global batch held by this DP rank, one
-    piece each: the prompt and at most ``probe_max_tokens`` generated positions."""
+    """This DP rank's share (``share``: its global indices) of the ``global_size`` responses'
+    ``probe_responses`` evenly spaced ones (:func:`~megatron_logra.probe_selection.probe_indices`), one piece each: the prompt
+    and at most ``probe_max_tokens`` generated positions."""
     pieces = (
         response_piece(padded.tokens[i], padded.position_ids[i], padded.response_mask[i],
                        settings.probe_max_tokens)
-        for i in _first_rows(range(len(share)), share.start, settings)
+        for i in _local_rows(share, global_size, settings)
     )
     return ProbeBatch(pieces=tuple(piece.to(device) for piece in pieces if piece is not None))

@@ -163,7 +163,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         batch = microbatches(bench, groups, groups.device)
         rows = []
         for index in range(args.warmup + args.steps):
-            control.set_batch(supervised_probe_batch(batch, cfg.logra.kl_control, dp_rank=0))
+            control.set_batch(supervised_probe_batch(batch, cfg.logra.kl_control, dp_rank=0,
+                                                     dp_size=1))
             _peak(groups.device)
             start = time.perf_counter()
             train_step(setup, batch, groups=groups, seq_length=args.seq_length,
@@ -218,7 +219,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             result["probe_below_backward"] = max(peaks["kl_probe"], peaks["realised_kl"]) < (
                 peaks["forward_backward"])
         if args.profile:
-            control.set_batch(supervised_probe_batch(batch, cfg.logra.kl_control, dp_rank=0))
+            control.set_batch(supervised_probe_batch(batch, cfg.logra.kl_control, dp_rank=0,
+                                                     dp_size=1))
             captured: dict[str, Any] = {}
 
             def capture(proposal: Any) -> float:

@@ -89,7 +89,7 @@ def run_steps(args: argparse.Namespace, init: Path) -> list[dict[str, Any]]:
             f"logra.kl_control.probe_responses={batch}",
             *([f"rl.seed={args.seed}"] if args.seed is not None else []),
         ]
-        cfg = load_config(CONFIG, overrides).resolved(1)
+        cfg = load_config(CONFIG, overrides).resolved(1, "rl")
         groups = init_parallel(cfg)
         steps = []
         try:

@@ -70,24 +70,25 @@ PROBE_MLP_CHUNK_ELEMENTS = 2**22
 (``mcore/kl_probe/stream.py``)."""
 
 # What one piece's pass holds besides those, in tensors of the piece's length, fitted to the
-# live-tensor tracker on one-layer models where each term dominates in turn (fp32 and bf16
-# alike; docs/LOG.md, 2026-12-03): the attention's q/k/v, their rotated copies, the rule's
-# inputs in its layout and the residual stream, each with its tangent in a forward-mode pass.
-PROBE_ATTENTION_WIDTH_COPIES = 17.5
-"""``[L, qd/t]`` tensors beside the rule's blocks (measured 17.1-17.5)."""
-PLAIN_ATTENTION_WIDTH_COPIES = 10.0
-"""The same in a plain pass (the fused kernel, no blocks; measured 9.1-10.0)."""
+# live-tensor tracker on two-layer models where each term dominates in turn, fp32 and bf16
+# alike (the second layer is the wider: its input carries a tangent, the first one's does not;
+# docs/LOG.md, 2026-12-03): q/k/v, their rotated copies, the rule's inputs in its layout, the
+# residual stream and the norm's output, each with its tangent in a forward-mode pass.
+PROBE_ATTENTION_WIDTH_COPIES = 23.5
+"""``[L, qd/t]`` tensors beside the rule's blocks (measured 23.1-23.5)."""
+PLAIN_ATTENTION_WIDTH_COPIES = 10.5
+"""The same in a plain pass (the fused kernel, no blocks; measured 10.1-11.0)."""
 PROBE_MLP_COPIES = 14.0
 """``[rows, ffn/t]`` slices alive in a chunk of the MLP with tangents: fc1's output and tangent
 (4: fc1 is two ffn wide), the gate's SiLU and the up half's offset with theirs, the product
 rule's terms (measured 13.9)."""
-PLAIN_MLP_COPIES = 5.2
-"""The same in a plain pass (measured 5.1)."""
-PROBE_HIDDEN_COPIES = 9.0
+PLAIN_MLP_COPIES = 5.0
+"""The same in a plain pass (measured 5.0)."""
+PROBE_HIDDEN_COPIES = 11.3
 """``[L, h]`` tensors beside the MLP's chunk: the residual stream, the norm's output, the
-chunks' outputs before and after their concatenation, with tangents (measured 9.1)."""
-PLAIN_HIDDEN_COPIES = 3.0
-"""The same in a plain pass (measured 2.8)."""
+chunks' outputs before and after their concatenation, with tangents (measured 11.3)."""
+PLAIN_HIDDEN_COPIES = 4.0
+"""The same in a plain pass (measured 4.0)."""
 PREDICTED_CHUNK_BYTES = 64.5
 """Bytes per element of a ``[64, V/t]`` output-layer chunk while its predicted KL is reduced:
 the fp32 logits and tangent, their float64 copies and the Fisher form's temporaries (measured

@@ -4,7 +4,7 @@ LoGRA, on a token corpus (language modelling) or on prompt -> answer data (SFT).
 One step: zero grads and sketches -> Megatron's forward/backward schedule over this rank's
 microbatches (losses are per-token sums; ``finalize_model_grads`` divides by the global token
 count and, for LoGRA, reduces the sketches) -> ``optimizer.step()`` (with the KL step control when
-logra.kl_control.enabled: its probe is the step's first sequences) -> LR scheduler. The run
+logra.kl_control.enabled: its probe is evenly spaced sequences of the step) -> LR scheduler. The run
 around the steps is :mod:`megatron_logra.train.loop`'s.
 """
 
@@ -85,7 +85,8 @@ class SupervisedJob:
         if control is not None:
             settings = cfg.logra.kl_control
             control.set_batch(supervised_probe_batch(microbatches, settings,
-                                                     dp_rank=groups.dp_rank))
+                                                     dp_rank=groups.dp_rank,
+                                                     dp_size=groups.dp_size))
             if settings.mismatch_input is not None:
                 control.observe_mismatch(settings.mismatch_input)
         result = train_step(setup, microbatches, groups=groups, seq_length=cfg.model.seq_length,

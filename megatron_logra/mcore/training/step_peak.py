@@ -114,7 +114,7 @@ def _step(cfg: Config, setup: TrainingSetup, batch: list[Microbatch],
     control = setup.kl_control
     if control is not None:
         control.set_batch(supervised_probe_batch(batch, cfg.logra.kl_control,
-                                                 dp_rank=groups.dp_rank))
+                                                 dp_rank=groups.dp_rank, dp_size=groups.dp_size))
     watch = None
     if control is not None and tracker is not None:
         watch = _PeakWatch(setup.logra.step_scale, tracker)

@@ -5,7 +5,7 @@
    the current weights; rewards of the share; correctness and lengths gathered over DP, and the
    preset's advantages computed on the whole global batch, identically on every rank;
 2. **batching** (:mod:`.batching`): responses padded to model.seq_length and cut into this
-   rank's microbatches; the KL probe set (the first responses of the global batch);
+   rank's microbatches; the KL probe set (evenly spaced responses of the global batch);
 3. **policy update** (:mod:`.policy_update`): the preset's loss through Megatron's schedule, the
    rollout-vs-trainer gap on completed responses fed to the KL controller's mismatch term, one
    optimizer step (LoGRA predicts the KL of its update on the probe set and scales it), and the
@@ -187,7 +187,8 @@ class RLJob:
         microbatches = rl_microbatches(padded, scored.advantages, reference_logprobs,
                                        micro_batch_size=cfg.train.micro_batch_size,
                                        device=groups.device, old_logprobs=old_logprobs)
-        probe = (rollout_probe_batch(padded, scored.share, cfg.logra.kl_control, groups.device)
+        probe = (rollout_probe_batch(padded, scored.share, cfg.logra.kl_control, groups.device,
+                                     global_size=len(scored.rewards))
                  if setup.kl_control is not None else None)
         step_metrics = setup.step_metrics()
         updates = [

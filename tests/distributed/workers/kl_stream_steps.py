@@ -36,6 +36,7 @@ from megatron_logra.mcore.models.gpt import build_model_chunks
 from megatron_logra.mcore.training.setup import setup_training
 from megatron_logra.mcore.training.step import train_step
 from megatron_logra.probe_batch import supervised_probe_batch
+from megatron_logra.probe_selection import probe_indices
 from tests.presets import SWIGLU_RMSNORM_NO_BIAS, tiny_gpt
 
 VOCAB = 100  # padded to 128 by the model: the padding columns are masked out of every softmax
@@ -47,7 +48,8 @@ MICRO_BATCH = 2
 # position is the prompt's last token, whose next token is the first response token).
 REAL_LENGTHS = (32, 25, 19, 28)
 PROMPT_LENGTHS = (5, 9, 3, 7)
-# Sequences 0-2 of the global batch: 2 + 1 over two DP (or EP) ranks.
+# Sequences 0, 1 and 2 of the global batch (evenly spaced: 4 x i // 3): 2 + 1 over two DP (or
+# EP) ranks.
 PROBE_RESPONSES = 3
 BASE = [
     "parallel.device=cpu", *tiny_gpt(seq_length=SEQ), *SWIGLU_RMSNORM_NO_BIAS,
@@ -101,13 +103,20 @@ def microbatches(groups) -> list[Microbatch]:
             for i in range(0, per_rank, MICRO_BATCH)]
 
 
+def probe_rows(groups) -> list[int]:
+    """This rank's probe rows (indices into its share), as the step control selects them."""
+    per_rank = GLOBAL_BATCH // groups.dp_size
+    share = range(groups.dp_rank * per_rank, (groups.dp_rank + 1) * per_rank)
+    return [i - share.start for i in probe_indices(GLOBAL_BATCH, PROBE_RESPONSES) if i in share]
+
+
 def whole_rows(batch: list[Microbatch], groups) -> tuple[torch.Tensor, ...]:
-    """The previous implementation's probe: this rank's first rows, padded, with their mask."""
-    per_rank = sum(b.tokens.shape[0] for b in batch)
-    rows = max(0, min(PROBE_RESPONSES - groups.dp_rank * per_rank, per_rank))
-    tokens = torch.cat([b.tokens for b in batch])[:rows]
-    positions = torch.cat([b.position_ids for b in batch])[:rows]
-    mask = torch.cat([b.loss_mask for b in batch])[:rows] > 0
+    """The previous implementation's probe: this rank's probe rows whole (padded), with their
+    mask."""
+    rows = probe_rows(groups)
+    tokens = torch.cat([b.tokens for b in batch])[rows]
+    positions = torch.cat([b.position_ids for b in batch])[rows]
+    mask = torch.cat([b.loss_mask for b in batch])[rows] > 0
     return tokens, positions, mask
 
 
@@ -184,7 +193,7 @@ def controlled_steps(cfg, groups) -> dict[str, Any]:
     steps = []
     for _ in range(STEPS):
         control.set_batch(supervised_probe_batch(batch, cfg.logra.kl_control,
-                                                 dp_rank=groups.dp_rank))
+                                                 dp_rank=groups.dp_rank, dp_size=groups.dp_size))
         whole.rows = whole_rows(batch, groups)
         train_step(setup, batch, groups=groups, seq_length=SEQ, micro_batch_size=MICRO_BATCH)
         steps.append({
@@ -192,11 +201,15 @@ def controlled_steps(cfg, groups) -> dict[str, Any]:
             "predicted": control.decision.kl_predicted, "predicted_whole": whole.predicted,
             "realised": control.realised(), "realised_whole": whole.realised(),
         })
+    # Each global row's piece length; an uncounted padding piece (expert parallelism) after
+    # the probe rows of the rank that runs it.
     lengths = torch.zeros(GLOBAL_BATCH, dtype=torch.int64)
     per_rank = GLOBAL_BATCH // groups.dp_size
+    rows = probe_rows(groups)
     if groups.tp_rank == 0 and groups.pp_rank == 0:
         for index, piece in enumerate(control.pieces):
-            lengths[groups.dp_rank * per_rank + index] = piece.length
+            row = rows[index] if index < len(rows) else rows[-1] + index - len(rows) + 1
+            lengths[groups.dp_rank * per_rank + row] = piece.length
     dist.all_reduce(lengths)
     return {"steps": steps, "piece_lengths": lengths.tolist(),
             "real_lengths": [real - 1 for real in REAL_LENGTHS]}
