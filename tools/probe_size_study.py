@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import tempfile
@@ -61,12 +62,21 @@ def warm_start(args: argparse.Namespace) -> Path:
     stages) when they are not there yet."""
     import demo_cpu
 
-    demo_cpu.ensure_dataset()
-    model = args.demo_out / "sft" / "model"
-    if not model.is_dir():
-        sft = [f"data.dir={demo_cpu.DATA_DIR}", *demo_cpu.SFT_OVERRIDES,
-               f"run.dir={args.demo_out / 'sft'}"]
-        demo_cpu._torchrun("sft", sft, "supervised warm start (dense Adam)")
+    # Progress (the SFT run's too) goes to stderr: stdout is the result (--json).
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        demo_cpu.ensure_dataset()
+        model = args.demo_out / "sft" / "model"
+        if not model.is_dir():
+            sft = [f"data.dir={demo_cpu.DATA_DIR}", *demo_cpu.SFT_OVERRIDES,
+                   f"run.dir={args.demo_out / 'sft'}"]
+            demo_cpu._torchrun("sft", sft, "supervised warm start (dense Adam)")
+        sys.stdout.flush()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
     return model
 
 

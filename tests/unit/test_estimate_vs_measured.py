@@ -29,15 +29,14 @@ CONFIGS = (
     "bf16:sdpa:none", "bf16:sdpa:full", "bf16:local:none", "bf16:local:selective",
     "bf16:local:full",
 )
-METHODS = ("dense_adam", "lora", "logra", "logra_paper")
-# Library mode under KL control (its realised KL keeps a copy of the trained output weight),
-# on two of the configurations.
-LIBRARY_KL = ("fp32:sdpa:none", "bf16:sdpa:full")
+# logra_kl: library mode under KL control (its realised KL keeps a copy of the trained output
+# weight).
+METHODS = ("dense_adam", "lora", "logra", "logra_paper", "logra_kl")
+KL_METHODS = ("logra_paper", "logra_kl")
 # The tracker cannot follow the KL probe through local attention (the tool says why).
 CASES = [(config, method) for config in CONFIGS for method in METHODS
-         if not (":local:" in config and method == "logra_paper")]
-CASES += [(config, "logra_kl") for config in LIBRARY_KL]
-KL_CASES = [(config, method) for config, method in CASES if method in ("logra_paper", "logra_kl")]
+         if not (":local:" in config and method in KL_METHODS)]
+KL_CASES = [(config, method) for config, method in CASES if method in KL_METHODS]
 
 
 @pytest.fixture(scope="module")
@@ -49,13 +48,6 @@ def rows() -> dict[tuple[str, str], dict]:
     )
     assert done.returncode == 0, done.stderr[-4000:]
     measured = json.loads(done.stdout)
-    library = subprocess.run(
-        [sys.executable, "-W", "ignore", str(REPO / "tools" / "estimate_vs_measured.py"),
-         *MODEL, "--configs", ",".join(LIBRARY_KL), "--methods", "logra_kl", "--json"],
-        env=torchrun_env(), capture_output=True, text=True, timeout=600,
-    )
-    assert library.returncode == 0, library.stderr[-4000:]
-    measured += json.loads(library.stdout)
     return {(f"{r['dtype']}:{r['attention']}:{r['recompute']}", r["method"]): r
             for r in measured}
 
