@@ -54,11 +54,13 @@ class KLControlSettings:
         mismatch_ema_weight: w, weight of a new mismatch observation in the EMA.
         mismatch_budget_floor: the subtraction never leaves less than this fraction of the
             scheduled budget.
-        probe_responses: responses of the *global* batch (its first ones, wherever they live)
-            on which the KL is predicted and measured. The paper takes 2 per data-parallel rank;
-            a global count keeps alpha independent of the data-parallel size (8 = the paper's
-            2 per rank on its 4 training GPUs).
-        probe_max_tokens: each probe response is truncated to this many tokens.
+        probe_responses: responses of the *global* batch, evenly spaced through it (wherever
+            they live: :mod:`megatron_logra.probe_selection`), on which the KL is predicted and
+            measured. The paper takes 2 per data-parallel rank; a global count keeps alpha
+            independent of the data-parallel size (8 = the paper's 2 per rank on its 4 training
+            GPUs), and spacing them out spreads the probe's work over the ranks.
+        probe_max_tokens: at most this many of each probe response's generated positions are
+            probed (its prompt runs before them as context, uncounted).
     """
 
     kl_budget: float = 2e-4

@@ -176,9 +176,18 @@ def predicted_kl(
     return _chunked_sum(z_NV, dz_NV, rows_N, chunk_positions, per_token)
 
 
+def _all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup,
+                op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
+    """In place over ``group``; nothing to do (and no collective's latency) for one rank."""
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(tensor, op=op, group=group)
+
+
 def _check_same_positions(rows: int, group: dist.ProcessGroup, device: torch.device) -> None:
     """Every rank of the group must select the same number of positions, or the per-chunk
     collectives would pair up different chunks (or hang)."""
+    if dist.get_world_size(group) == 1:
+        return
     bounds = torch.tensor([rows, -rows], dtype=torch.int64, device=device)
     dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=group)
     if int(bounds[0]) != -int(bounds[1]):
@@ -220,13 +229,13 @@ def predicted_kl_vocab_parallel(
     def per_token(z: torch.Tensor, dz: torch.Tensor) -> torch.Tensor:
         a, u = _mask_padding(z / temperature, dz / temperature, valid_V)
         a_max = a.max(dim=-1).values
-        dist.all_reduce(a_max, op=dist.ReduceOp.MAX, group=tp_group)
+        _all_reduce(a_max, tp_group, dist.ReduceOp.MAX)
         e = torch.exp(a - a_max[:, None])
         moments = torch.stack([e.sum(dim=-1), (e * u).sum(dim=-1)])
-        dist.all_reduce(moments, group=tp_group)
+        _all_reduce(moments, tp_group)
         mean = moments[1] / moments[0]
         centred = (e * (u - mean[:, None]).square()).sum(dim=-1)
-        dist.all_reduce(centred, group=tp_group)
+        _all_reduce(centred, tp_group)
         return 0.5 * centred / moments[0]
 
     return _chunked_sum(z_NV, dz_NV, rows_N, chunk_positions, per_token)
@@ -296,12 +305,12 @@ def exact_kl_vocab_parallel(
         a, d = _mask_padding(a, d, valid_V)
         b, _ = _mask_padding(b, d, valid_V)
         maxima = torch.stack([a.max(dim=-1).values, b.max(dim=-1).values])
-        dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=tp_group)
+        _all_reduce(maxima, tp_group, dist.ReduceOp.MAX)
         e_a = torch.exp(a - maxima[0][:, None])
         sums = torch.stack(
             [e_a.sum(dim=-1), torch.exp(b - maxima[1][:, None]).sum(dim=-1), (e_a * d).sum(dim=-1)]
         )
-        dist.all_reduce(sums, group=tp_group)
+        _all_reduce(sums, tp_group)
         lse_a = maxima[0] + torch.log(sums[0])
         lse_b = maxima[1] + torch.log(sums[1])
         return lse_b - lse_a - sums[2] / sums[0]

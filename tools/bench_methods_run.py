@@ -169,7 +169,8 @@ def stepper(args: argparse.Namespace, cfg: Any, setup: Any, groups: Any) -> Any:
     def step() -> tuple[float, dict[str, float]]:
         parts: dict[str, float] = {}
         if control is not None:
-            control.set_batch(supervised_probe_batch(batch, cfg.logra.kl_control, dp_rank=groups.dp_rank))
+            control.set_batch(supervised_probe_batch(batch, cfg.logra.kl_control,
+                                                     dp_rank=groups.dp_rank, dp_size=groups.dp_size))
         result = train_step(setup, batch, groups=groups, seq_length=args.seq_length,
                             micro_batch_size=args.micro_batch_size)
         _sync(groups.device)

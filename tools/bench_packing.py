@@ -172,7 +172,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         probe = None
         if setup.kl_control is not None:
             probe = rollout_probe_batch(pad_to_length(scored.rollout, args.seq_length, 0),
-                                        scored.share, cfg.logra.kl_control, groups.device)
+                                        scored.share, cfg.logra.kl_control, groups.device,
+                                        global_size=len(scored.rewards))
         # The optimizer step (the direction, the KL probe, the merge) is the same work in both
         # variants; the forward/backward schedule is what packing changes.
         step_time: dict[str, float] = {}

@@ -29,6 +29,9 @@ Sections (one function each, returning its figures):
   own context parallelism (``parallel.cp_comm_type`` p2p and all_gather) against TE at CP=1;
 * ``master_merge``: ``tools/bench_master_merge.py --device cuda``: one merge per master store,
   and whether the stores' masters agree bit for bit after 3 merges;
+* ``kl_probe``: ``tools/bench_kl_probe.py --device cuda`` (paper mode under KL control, a
+  ~1B-shaped GPT, one 8192-token sequence, bf16): the streamed probe's passes allocate less
+  than the step's forward and backward; the pass's time against a forward, the probe's share;
 * ``sync_megatron``: the RL job's Megatron engine on its own GPU kept in step by low-rank sync
   over the NCCL channel; bytes and sync time against full sync (tools/gpu_check_sync.py);
 * ``vllm``: CUDA vLLM (``.venv-vllm-cuda``) kept in step by low-rank sync over the collective
@@ -109,11 +112,11 @@ MERGE_SHAPES = ((4096, 4096), (28672, 4096))  # a square projection; a 7B-sized 
 # Seconds each section may run (the sync sections have their own, 390 s together:
 # tools/gpu_check_sync.py). A device command may run 10 minutes, so docs/gpu_check.md splits
 # the sections into commands whose budgets fit: tp_parity te_spec te_packed memory master_merge
-# (540 s); moe_grouped context_parallel (260 s); sync_megatron vllm (390 s).
+# (540 s); moe_grouped context_parallel kl_probe (410 s); sync_megatron vllm (390 s).
 # memory gets most: bench_methods starts 4 processes, and the model's layout-invariant
 # initialisation draws every full weight from a CPU generator (1e9 normals per model).
 BUDGET_S = {"tp_parity": 130, "te_spec": 70, "te_packed": 70, "memory": 240,
-            "master_merge": 30, "moe_grouped": 60, "context_parallel": 200}
+            "master_merge": 30, "moe_grouped": 60, "context_parallel": 200, "kl_probe": 150}
 # CP=2 vs CP=1 changes the order of sums as TP=2 does -- each chunk's softmax over the gathered
 # keys, the keys' gradients reduce-scattered, the DP x CP reduction of sketches -- so the
 # tp_parity bounds apply; alpha is sqrt(budget / m) with m a float64 mean of squared tangents:
@@ -127,6 +130,11 @@ CP_PARITY = {"fp32": (FP32_TP_LOSS_RTOL, FP32_TP_WEIGHT_RTOL),
 # master per merge. (remainder computes the very GEMM dp_sharded does on the bit-identical fp32
 # master it reconstructs: any difference there fails the section.)
 HOST_MERGE_MAX_ULPS_PER_MERGE = 1
+# The streamed KL probe: the memory section's ~1B shape at one 8192-token sequence in bf16,
+# paper mode under KL control (the probe is the whole sequence).
+KL_PROBE_MODEL = ["--layers", "16", "--hidden", "2048", "--heads", "16", "--ffn", "5632",
+                  "--vocab", "32000", "--seq-length", "8192", "--sketch-rank", "256",
+                  "--dtype", "bf16"]
 # Grouped bf16 expert sketches vs the fp32 per-expert loop: bf16 inputs and one bf16 rounding of
 # each P and S entry (2^-8 relative), summed over hundreds of tokens (the CPU run: 2.3e-3).
 GROUPED_SKETCH_BF16_REL = 2e-2
@@ -376,13 +384,30 @@ def context_parallel(out: Path) -> dict[str, Any]:
                 bad.append(f"te {comm} loss differs by {value:.2e} > {BF16_TP_LOSS_RTOL:.0e}")
     if bad:
         raise SectionFailed("; ".join(bad), figures)
+
+
+def kl_probe(out: Path) -> dict[str, Any]:
+    """The streamed KL probe on the GPU (tools/bench_kl_probe.py --device cuda): the probe's
+    forward-mode pass and the realised-KL pass must allocate less than the step's forward and
+    backward (torch.cuda.max_memory_allocated of each phase); the pass's time against a plain
+    forward and the probe's share of the step are recorded."""
+    require(cuda_missing())
+    deadline = time.monotonic() + BUDGET_S["kl_probe"]
+    stdout = run_logged([sys.executable, "tools/bench_kl_probe.py", "--device", "cuda",
+                         *KL_PROBE_MODEL, "--warmup", "1", "--steps", "2", "--json"],
+                        deadline, out / "kl_probe.log")
+    figures = json.loads(stdout[stdout.index("{"):])
+    figures["model"] = " ".join(KL_PROBE_MODEL)
+    if not figures["probe_below_backward"]:
+        raise SectionFailed("the KL probe set the step's peak: "
+                            f"{figures['peak_allocated_bytes']}", figures)
     return figures
 
 
 SECTIONS: dict[str, Callable[[Path], dict[str, Any]]] = {
     "tp_parity": tp_parity, "te_spec": te_spec, "te_packed": te_packed, "memory": memory,
     "master_merge": master_merge, "moe_grouped": moe_grouped,
-    "context_parallel": context_parallel, **gpu_check_sync.SECTIONS,
+    "context_parallel": context_parallel, "kl_probe": kl_probe, **gpu_check_sync.SECTIONS,
 }
 
 

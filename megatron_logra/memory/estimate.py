@@ -135,7 +135,8 @@ class MemoryBreakdown:
     """Gradients alive beside the saved activations at the backward's peak."""
     after_backward: float = 0.0
     """The largest transient of the step after backward, when no activation is alive (paper
-    mode's weight norms, the KL probe's proposal, logits, tangents and float64 chunks)."""
+    mode's weight norms; the KL probe's proposal, one piece's pass or output-layer chunk, and
+    the final hidden states it keeps for the realised KL)."""
 
     CATEGORIES = ("weights", "gradients", "optimizer_state", "sketches", "projections",
                   "buffers", "activations", "temporaries", "after_backward")

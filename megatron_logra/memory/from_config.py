@@ -22,6 +22,7 @@ from megatron_logra.memory.shapes import (
     Layout,
     shape_from_model_config,
 )
+from megatron_logra.probe_selection import probe_indices
 
 if TYPE_CHECKING:  # only for the annotation
     from megatron_logra.config import Config
@@ -59,15 +60,20 @@ def layout_of(cfg: Config) -> Layout:
 
 
 def kl_probe_of(cfg: Config) -> KLProbe | None:
-    """The KL probe of a supervised step on one DP rank (the batch's first sequences)."""
+    """The KL probe of a supervised step on the DP rank holding the most of its evenly spaced
+    sequences, each a piece of at most ``probe_max_tokens`` counted positions; library mode
+    trains the output layer, whose weight the realised KL then keeps a copy of."""
     kl = cfg.logra.kl_control
     if cfg.optimizer.name != "logra" or not kl.enabled:
         return None
     dp = cfg.parallel.dp or 1
     per_rank = cfg.train.global_batch_size // dp
-    # DP rank 0 holds the most probe sequences: the first ones of the global batch.
-    return KLProbe(sequences=min(kl.probe_responses, per_rank),
-                   tokens_per_sequence=min(kl.probe_max_tokens, cfg.model.seq_length))
+    # The rank holding the most of the evenly spaced probe sequences.
+    chosen = probe_indices(cfg.train.global_batch_size, kl.probe_responses)
+    most = max(sum(1 for i in chosen if i // per_rank == rank) for rank in range(dp))
+    return KLProbe(sequences=most,
+                   tokens_per_sequence=min(kl.probe_max_tokens, cfg.model.seq_length),
+                   output_trains=cfg.logra.mode != "paper")
 
 
 def estimate_for_config(cfg: Config, *, vocab_size: int) -> MemoryBreakdown:

@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +54,12 @@ class LiveTensorReport:
     live_by_category: dict[str, int] = field(default_factory=dict)
     peak_by_category: dict[str, int] = field(default_factory=dict)
     """The categories at the moment of the peak (they sum to ``peak_bytes``)."""
+
+
+@dataclass
+class _Span:
+    peak_bytes: int = 0
+    """The most live bytes during the span (set when it ends)."""
 
 
 @dataclass
@@ -231,6 +238,22 @@ class LiveTensorTracker:
         with self._lock:
             self._peak = self._live
             self._peak_totals = dict(self._totals)
+
+    @contextmanager
+    def span(self) -> Iterator[_Span]:
+        """The peak of a span of the tracked work on its own (``span.peak_bytes`` after it),
+        while the tracker's own peak stays the maximum over everything."""
+        with self._lock:
+            outer, outer_totals = self._peak, self._peak_totals
+            self._peak, self._peak_totals = self._live, dict(self._totals)
+        span = _Span()
+        try:
+            yield span
+        finally:
+            with self._lock:
+                span.peak_bytes = self._peak
+                if outer >= self._peak:
+                    self._peak, self._peak_totals = outer, outer_totals
 
     @property
     def live_bytes(self) -> int:

@@ -6,9 +6,11 @@ can still set the peak when the activations are small against the vocabulary or 
 * paper mode's update ratio needs ``||W_targets||``, computed target by target
   (:func:`paper_weight_norm_bytes`);
 * the predicted-KL step control (``logra.kl_control.enabled``) gathers the proposal's
-  directions, runs one forward-mode pass on the probe sequences (logits and their tangents),
-  reduces them in float64 chunks, keeps the pre-update logits across the merge and measures the
-  realised KL with a second forward (:func:`kl_probe_bytes`).
+  directions and streams its probe: one piece (a response) at a time through a forward-mode
+  pass whose attention blocks and MLP chunks are bounded, the output layer over 64 counted
+  positions at a time reduced into the KL at once; it keeps the final hidden states of the
+  counted positions (and, when the output layer trains, a copy of its weight) across the merge
+  and measures the realised KL with a plain pass per piece (:func:`kl_probe_bytes`).
 
 Each is measured against the live-tensor tracker (tools/estimate_vs_measured.py). Symbols as in
 :mod:`.estimate`; ``P`` = probe tokens on the rank.
@@ -18,28 +20,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_logra.memory.shapes import FP32_BYTES, Layout, ModelShape
+from megatron_logra.memory.shapes import Layout, ModelShape
 from megatron_logra.norm_blocks import norm_block_rows
 
 FLOAT64_BYTES = 8
 KL_CHUNK_POSITIONS = 64
-"""Positions per float64 chunk of the KL reductions (``megatron_logra.kl``'s default)."""
-KL_CHUNK_COPIES = 9
-"""float64 ``[chunk, V/t]`` tensors alive at once in a chunk of the predicted or realised KL:
-both inputs upcast, the tempered logits, their log-softmax and softmax for the old and the new
-policy or the tangent, and the products reduced (measured: 9.0 at V = 4096, the chunk's bytes
-from the slope between 256- and 512-token probes)."""
+"""Counted positions per output-layer chunk of the probe (``OUTPUT_CHUNK_POSITIONS`` of
+``mcore/kl_probe/stream.py``)."""
 
 
 @dataclass(frozen=True)
 class KLProbe:
-    """The predicted-KL step control's probe on one DP rank: ``sequences`` of
-    ``tokens_per_sequence`` tokens (logra.kl_control.probe_responses / probe_max_tokens).
-    Under context parallelism the probe is padded to a multiple of ``2 cp`` (times TP under
-    SP) and each rank takes ``tokens_per_sequence / cp`` positions of it (``local_tokens``)."""
+    """The predicted-KL step control's probe on one DP rank: ``sequences`` pieces of
+    ``tokens_per_sequence`` tokens, every one counted (logra.kl_control.probe_responses /
+    probe_max_tokens); ``output_trains``: the output layer's weight changes in the update
+    (library mode), so the realised KL keeps a copy of it. Under context parallelism each
+    piece is padded to a multiple of ``2 cp`` (times TP under SP) and each rank runs
+    ``1 / cp`` of its positions (``local_tokens``) against all of its keys."""
 
     sequences: int
     tokens_per_sequence: int
+    output_trains: bool = False
 
     def padded(self, layout: Layout) -> int:
         """The probe sequences' length after the context-parallel padding."""
@@ -76,73 +77,88 @@ def paper_weight_norm_bytes(shape: ModelShape, layout: Layout,
     return FLOAT64_BYTES * largest
 
 
-def kl_chunk_bytes(shape: ModelShape, layout: Layout) -> float:
-    """The float64 temporaries of one chunk of a KL reduction over the vocabulary shard."""
-    vocab = shape.padded_vocab_size(layout.tp) / layout.tp
-    return KL_CHUNK_COPIES * FLOAT64_BYTES * KL_CHUNK_POSITIONS * vocab
+PROBE_BLOCK_ELEMENTS = 2**24
+"""Elements of one block of the sdpa tangent rule (``mcore/models/sdpa_forward_ad.py``)."""
+PROBE_ATTENTION_BLOCK_COPIES = 2
+"""Block-sized tensors alive at once in that rule: the probabilities and the weighted score
+tangent, each updated in place (measured: 2.0)."""
+PROBE_MLP_CHUNK_ELEMENTS = 2**22
+"""Elements of one ``[rows, ffn/t]`` slice of the probe's chunked MLP
+(``mcore/kl_probe/stream.py``)."""
+
+# What one piece's pass holds besides those, in tensors of the piece's length, fitted to the
+# live-tensor tracker on two-layer models where each term dominates in turn, fp32 and bf16
+# alike (the second layer is the wider: its input carries a tangent, the first one's does not;
+# docs/LOG.md, 2026-12-03): q/k/v, their rotated copies, the rule's inputs in its layout, the
+# residual stream and the norm's output, each with its tangent in a forward-mode pass.
+PROBE_ATTENTION_WIDTH_COPIES = 23.5
+"""``[L, qd/t]`` tensors beside the rule's blocks (measured 23.1-23.5)."""
+PLAIN_ATTENTION_WIDTH_COPIES = 10.5
+"""The same in a plain pass (the fused kernel, no blocks; measured 10.1-11.0)."""
+PROBE_MLP_COPIES = 14.0
+"""``[rows, ffn/t]`` slices alive in a chunk of the MLP with tangents: fc1's output and tangent
+(4: fc1 is two ffn wide), the gate's SiLU and the up half's offset with theirs, the product
+rule's terms (measured 13.9)."""
+PLAIN_MLP_COPIES = 5.0
+"""The same in a plain pass (measured 5.0)."""
+PROBE_HIDDEN_COPIES = 11.3
+"""``[L, h]`` tensors beside the MLP's chunk: the residual stream, the norm's output, the
+chunks' outputs before and after their concatenation, with tangents (measured 11.3)."""
+PLAIN_HIDDEN_COPIES = 4.0
+"""The same in a plain pass (measured 4.0)."""
+PREDICTED_CHUNK_BYTES = 64.5
+"""Bytes per element of a ``[64, V/t]`` output-layer chunk while its predicted KL is reduced:
+the fp32 logits and tangent, their float64 copies and the Fisher form's temporaries (measured
+64.1-64.3, fp32 and bf16 models alike: the chunk is fp32 either way)."""
+REALISED_CHUNK_BYTES = 80.5
+"""The same for the realised KL: old and new fp32 logits and the exact KL's float64
+temporaries (measured 80.2-80.3)."""
 
 
-PROBE_QUERY_BLOCK = 1024
-"""Query rows per block of the sdpa tangent rule (``mcore/models/sdpa_forward_ad.py``)."""
-PROBE_ATTENTION_BLOCK_COPIES = 5
-"""``[b, a/t, block, s]`` tensors alive at once in that rule: scores, the score tangent, the
-probabilities, the centred tangent and its product with the probabilities (measured: 5)."""
-PROBE_ATTENTION_BLOCK_COPIES_LATER = 7
-"""The same from the second block of query rows on: the previous block's tensors stay bound to
-their loop variables while the next block's are computed (measured: 7 at 2048 tokens, two
-blocks)."""
-PROBE_ATTENTION_WIDTH_COPIES = 15
-"""``[P, qd/t]`` tensors alive beside them: query, key, value in the kernel's layout and their
-tangents, the head-expanded keys and values and their tangents, the residual stream and the
-norm's output with their tangents, the output block (measured: 15 with qd = h)."""
-PROBE_MLP_COPIES = 6
-"""``[P, fc1/t]`` tensors in the activation dtype alive in fc1's forward hook, where the
-sketched direction's output tangent is added to fc1's (measured: 6, plus one fp32 copy)."""
-
-
-PROBE_CP_KEY_COPIES = 4
-"""Under context parallelism, of the ``[P, qd/t]`` copies above those over the keys -- the
-head-expanded keys and values and their tangents -- span the whole sequence's keys, and the
-gathered keys and values ``[s, 2 kvd/t]`` are kept with their tangents."""
-
-
-def probe_forward_bytes(shape: ModelShape, layout: Layout, probe: KLProbe, e: int) -> float:
-    """The widest moment of the probe's forward-mode pass (no graph is kept): the core-attention
-    tangent rule of a layer (quadratic in the probe length, by blocks of query rows), or the
-    MLP's fc1 with its tangent, whichever is larger. Under context parallelism the rule runs
-    per chunk of queries over up to the whole sequence's (gathered) keys."""
-    P, t = probe.rank_tokens(layout), layout.tp
-    keys = probe.padded(layout)  # the last chunk's keys: the whole sequence
-    queries = probe.local_tokens(layout) // (2 if layout.cp > 1 else 1)  # one rule call
+def _piece_pass_bytes(shape: ModelShape, layout: Layout, tokens: int, e: int,
+                      tangents: bool) -> float:
+    """The widest moment of one probe piece's pass through a layer: its core attention (with
+    ``tangents``, the tangent rule's blocks, bounded by :data:`PROBE_BLOCK_ELEMENTS`, causal:
+    at most the square) with the piece's attention-width tensors, or a chunk of its MLP with
+    the piece's hidden-width tensors, whichever is larger."""
+    t = layout.tp
     heads = shape.num_attention_heads / t
-    block = min(queries, PROBE_QUERY_BLOCK)
-    copies = (PROBE_ATTENTION_BLOCK_COPIES if queries <= block
-              else PROBE_ATTENTION_BLOCK_COPIES_LATER)
-    attention = copies * e * probe.sequences * heads * block * keys
-    width = PROBE_ATTENTION_WIDTH_COPIES * shape.query_width
-    if layout.cp > 1:
-        width -= PROBE_CP_KEY_COPIES * shape.query_width
-        attention += e * probe.sequences * keys * (
-            PROBE_CP_KEY_COPIES * shape.query_width + 2 * 2 * shape.kv_width) / t
-    attention += e * P * (width + 2 * (shape.query_width + 2 * shape.kv_width)) / t
-    mlp = (PROBE_MLP_COPIES * e + FP32_BYTES) * P * shape.fc1_width / t
-    return max(attention, mlp)
+    ffn = shape.fc1_width / 2 / t
+    rows = min(tokens, max(1, PROBE_MLP_CHUNK_ELEMENTS // ffn))
+    width = tokens * shape.query_width / t
+    hidden = tokens * shape.hidden_size
+    # Under context parallelism a rank's queries attend to the piece's gathered keys.
+    keys = tokens * layout.cp
+    gathered = 2 * keys * shape.kv_width / t if layout.cp > 1 else 0.0
+    if tangents:
+        block = min(PROBE_BLOCK_ELEMENTS, heads * tokens * keys)
+        attention = (PROBE_ATTENTION_BLOCK_COPIES * block + PROBE_ATTENTION_WIDTH_COPIES * width
+                     + 2 * gathered)
+        mlp = PROBE_MLP_COPIES * rows * ffn + PROBE_HIDDEN_COPIES * hidden
+    else:
+        attention = PLAIN_ATTENTION_WIDTH_COPIES * width + gathered
+        mlp = PLAIN_MLP_COPIES * rows * ffn + PLAIN_HIDDEN_COPIES * hidden
+    return e * max(attention, mlp)
 
 
 def kl_probe_bytes(shape: ModelShape, layout: Layout, probe: KLProbe, e: int,
                    direction_bytes: float) -> float:
-    """The most the KL step control holds at once beyond the persistent state.
+    """The most the streamed KL step control holds at once beyond the persistent state.
 
-    Predicting: the proposal's directions (``-lr D`` per target, fp32, ``direction_bytes``) and
-    either a probe forward's widest moment or its result -- the logits and their tangent
-    ``[P, V/t]`` -- with a float64 chunk. Realising, after the merge: the kept pre-update
-    logits, and the second forward's widest moment or its logits with a chunk."""
+    Predicting: the proposal's directions (``-lr D`` per target, fp32, ``direction_bytes``),
+    the final hidden states kept for the realised KL (``[counted, h]`` per piece), and one
+    piece's forward-mode pass or, after it, its output-layer chunk. Realising, after the
+    merge: the kept hidden states (and a copy of the output weight when it trains), and one
+    piece's plain forward or its chunk of old and new logits."""
     vocab = shape.padded_vocab_size(layout.tp) / layout.tp
-    # Megatron's mixed-precision wrapper hands the last stage's logits back in fp32.
-    logits = FP32_BYTES * probe.rank_tokens(layout) * vocab
-    forward = probe_forward_bytes(shape, layout, probe, e)
-    chunk = kl_chunk_bytes(shape, layout)
-    predicting = direction_bytes + max(forward, 2 * logits + chunk)
-    # The realised pass is a plain forward (no tangents): about half the widest moment.
-    realising = logits + max(forward / 2, logits + chunk)
+    h, piece = shape.hidden_size, probe.local_tokens(layout)
+    kept = e * probe.rank_tokens(layout) * h
+    weight = e * vocab * h if probe.output_trains else 0.0
+    chunk = min(KL_CHUNK_POSITIONS, piece) * vocab
+    predicting = direction_bytes + kept + max(
+        _piece_pass_bytes(shape, layout, piece, e, tangents=True),
+        PREDICTED_CHUNK_BYTES * chunk)
+    realising = kept + weight + max(
+        _piece_pass_bytes(shape, layout, piece, e, tangents=False),
+        REALISED_CHUNK_BYTES * chunk)
     return max(predicting, realising)

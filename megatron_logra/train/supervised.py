@@ -5,7 +5,7 @@ One step: zero grads and sketches -> Megatron's forward/backward schedule over t
 microbatches (losses are per-token sums; ``finalize_model_grads`` divides by the global token
 count and, for LoGRA, reduces the sketches; on prompt data the step's samples are packed into
 token-budget rows, train.packing) -> ``optimizer.step()`` (with the KL step control when
-logra.kl_control.enabled: its probe is the step's first sequences) -> LR scheduler. The run
+logra.kl_control.enabled: its probe is evenly spaced sequences of the step) -> LR scheduler. The run
 around the steps is :mod:`megatron_logra.train.loop`'s.
 """
 
@@ -112,7 +112,8 @@ class SupervisedJob:
             # The probe takes whole sequences from unpacked rows (packed ones hold several).
             probe_rows = self._unpacked(step) if batch.packed else batch.microbatches
             control.set_batch(supervised_probe_batch(probe_rows, settings,
-                                                     dp_rank=groups.data_rank))
+                                                     dp_rank=groups.data_rank,
+                                                     dp_size=groups.data_size))
             if settings.mismatch_input is not None:
                 control.observe_mismatch(settings.mismatch_input)
         result = train_step(setup, batch.microbatches, groups=groups,

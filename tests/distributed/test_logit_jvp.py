@@ -5,6 +5,12 @@ differences, fp32 vs fp64, training gradients, error paths; it saves its logits 
 and two processes (TP=2 without and with sequence parallelism, compared with that reference).
 Each test asserts one claim on the JSON they write. The worker's docstring describes the two
 probe cases (LoGRA's frozen-target route, and every parameter carrying a tangent).
+
+The streamed probe (one piece per row, the output layer chunk by chunk) is checked in the same
+jobs: against finite differences and the whole-batch probe in fp64, and -- in the predicted-KL
+step control over controlled training steps (``workers/kl_stream_steps.py``) -- alpha, the
+predicted and the realised KL against the whole-batch computation it replaced, at TP=1, TP=2
+with SP, PP=2, DP=2 and EP=2.
 """
 
 from __future__ import annotations
@@ -44,6 +50,20 @@ VOCAB_PARALLEL_PREDICTED_KL_REL_TOL = 1e-13
 # The exact KL of a small step is a difference of log-partition functions of size ~5 that
 # cancels to ~1e-4, so a few ulps of those (1e-15) become ~1e-11 relative; measured 7e-13.
 VOCAB_PARALLEL_EXACT_KL_REL_TOL = 1e-10
+# The streamed probe computes the same logits and tangents as the whole-batch one from a row at a
+# time and the output layer over fewer rows: matmul summation order only. fp64 measured
+# ~1e-16, fp32 ~1e-7.
+STREAMED_VS_WHOLE_REL_TOL_FP64 = 1e-13
+STREAMED_VS_WHOLE_REL_TOL_FP32 = 1e-5
+# The issue's claim for the step control: alpha, the predicted and the realised KL of the
+# streamed probe equal the whole-batch probe's to 1e-6 relative in fp32 (measured <= 2.4e-8:
+# the float64 KL sums over fp32 logits that differ in summation order only).
+STREAMED_STEP_CONTROL_REL_TOL = 1e-6
+# What workers/kl_stream_steps.py runs: its layouts, steps, and probe responses (sequences 0-2 of
+# a global batch of 4, so 2 + 1 over two DP or EP ranks).
+STREAM_LAYOUT_NAMES = ("tp1", "tp2_sp", "pp2", "dp2", "ep2")
+STREAM_STEPS = 3
+STREAM_PROBE_RESPONSES = 3
 
 
 @pytest.fixture(scope="module")
@@ -157,3 +177,51 @@ def test_probe_rejects_malformed_input_and_a_lost_tangent(tp1):
     assert set(tp1["errors"]) == set(expected)
     for name, prefix in expected.items():
         assert tp1["errors"][name].startswith(prefix), (name, tp1["errors"][name])
+
+
+def test_streamed_probe_tangent_matches_central_differences_with_second_order_convergence(tp1):
+    entry = tp1["cases"]["targets"]
+    coarse, fine = entry["streamed_fd_rel_err"]
+    assert coarse < FD_REL_TOL_AT_1E_3, entry
+    assert FD_ERROR_RATIO_BOUNDS[0] < coarse / fine < FD_ERROR_RATIO_BOUNDS[1], entry
+
+
+def test_streamed_logits_and_tangent_equal_the_whole_batch_probe_at_counted_positions(tp1):
+    entry = tp1["cases"]["targets"]
+    for tag, bound in (("fp64", STREAMED_VS_WHOLE_REL_TOL_FP64),
+                       ("fp32", STREAMED_VS_WHOLE_REL_TOL_FP32)):
+        assert entry[f"streamed_logits_rel_err_{tag}"] < bound, entry
+        assert entry[f"streamed_tangent_rel_err_{tag}"] < bound, entry
+
+
+@pytest.fixture(scope="module")
+def stream_steps(tp1, tp2) -> dict:
+    return {**tp1["kl_stream"], **tp2["kl_stream"]}
+
+
+@pytest.mark.parametrize("layout", STREAM_LAYOUT_NAMES)
+def test_streamed_step_control_alpha_and_kl_equal_the_whole_batch_probe_over_steps(
+        stream_steps, layout):
+    steps = stream_steps[layout]["steps"]
+    assert len(steps) == STREAM_STEPS
+    for step in steps:
+        assert step["alpha"] < 1.0, step  # the budget binds: alpha is the prediction at work
+        for name in ("alpha", "predicted", "realised"):
+            got, want = step[name], step[f"{name}_whole"]
+            assert abs(got / want - 1) <= STREAMED_STEP_CONTROL_REL_TOL, (layout, name, step)
+
+
+@pytest.mark.parametrize("layout", STREAM_LAYOUT_NAMES)
+def test_streamed_probe_runs_each_response_at_its_real_length(stream_steps, layout):
+    """One piece per probe response, cut after its last counted position: unpadded, except to
+    an even length under sequence parallelism over 2 ranks, and -- with expert parallelism --
+    an uncounted piece where the other rank of the expert group holds one more."""
+    run = stream_steps[layout]
+    real = run["real_lengths"][:STREAM_PROBE_RESPONSES]
+    lengths = run["piece_lengths"]
+    if layout == "tp2_sp":
+        assert lengths[:STREAM_PROBE_RESPONSES] == [length + length % 2 for length in real]
+    else:
+        assert lengths[:STREAM_PROBE_RESPONSES] == real
+    # The EP=2 ranks hold 2 and 1 probe responses: the second runs one more, uncounted, piece.
+    assert lengths[STREAM_PROBE_RESPONSES:] == ([1] if layout == "ep2" else [0])

@@ -1,7 +1,7 @@
 """Predicted-KL step control through the real CLI (issue [kl-control] item 5).
 
 Paper mode (the paper's RowAdam, a global update ratio, non-targets frozen) with the KL
-controller, on the supervised corpus (the probe set is the first sequences of the global batch):
+controller, on the supervised corpus (the probe set is evenly spaced sequences of the global batch):
 
 * alpha, the predicted KL and the applied update are the same at TP=2 with SP, PP=2, VPP, DP=2,
   TP=2 x DP=2, and with context parallelism at TP=2 x CP=2 and CP=2 x DP=2 as at TP=1;
@@ -44,7 +44,8 @@ STEPS = 4
 BASE = [
     *tiny_logra_run(STEPS), "train.micro_batch_size=4", "logra.mode=paper", "logra.kl_control.enabled=true",
     "logra.update_ratio=3e-2", "logra.kl_control.kl_budget=2e-4", "logra.kl_control.kl_budget_final=2e-4",
-    # Probe sequences 0-5 of the global batch: split 4 + 2 over the two DP ranks at DP=2.
+    # Probe sequences 0, 1, 2, 4, 5, 6 of the global batch of 8 (evenly spaced): 3 + 3 over
+    # the two DP ranks at DP=2.
     "logra.kl_control.probe_responses=6",
     # fp32 factors for the layout comparisons (bf16 rounding of the factor can flip an ulp
     # between layouts); the bf16 default is exercised by the budget tests below.

@@ -124,8 +124,9 @@ MOE_TP_WEIGHT_REL_TOL = 6e-5
 # at TP=2 (the probe's tangents through the expert all-to-all both ways, or the all-gather
 # dispatcher's TP x EP gather and reduce-scatter, and the expert linears' local tangents) against
 # EP=1. The update ratio proposes more than the budget, so alpha < 1 at every step: alpha is the
-# probe's prediction at work. Probe sequences 0-5 of the global batch: split 4 + 2 over the two
-# DP ranks at EP=2 (the all-to-all carries the other rank's tokens). fp32 factors: bf16 rounding
+# probe's prediction at work. Probe sequences 0, 1, 2, 4, 5, 6 of the global batch of 8 (evenly
+# spaced): 3 + 3 over the two DP ranks at EP=2 (the all-to-all carries the other rank's
+# tokens). fp32 factors: bf16 rounding
 # of the factor can flip an ulp between layouts (as in e2e/test_kl_control.py).
 PAPER = ["logra.mode=paper", "logra.update_ratio=3e-2", "logra.update_factor_dtype=fp32"]
 KL_CONTROL = [*PAPER, "logra.kl_control.enabled=true", "logra.kl_control.kl_budget=1e-5",

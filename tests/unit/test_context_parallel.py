@@ -24,7 +24,7 @@ from megatron_logra.context_parallel import (
 )
 from megatron_logra.mcore.models import sdpa_forward_ad
 from megatron_logra.mcore.models.sdpa_forward_ad import attention
-from megatron_logra.probe_batch import ProbeBatch, context_parallel_share
+from megatron_logra.probe_batch import ProbePiece, context_parallel_share
 
 # float64: the fused kernel (or the tangent rule) and the plain-ops reference differ only in
 # summation order (the siblings in test_sdpa_tangent.py measured <= 3.7e-16).
@@ -76,7 +76,7 @@ def test_split_batch_cuts_per_token_fields_and_keeps_per_sequence_ones():
 
 
 def test_probe_share_pads_with_uncounted_positions_then_splits():
-    probe = ProbeBatch(tokens=torch.arange(1, 7).view(1, 6), position_ids=torch.arange(6)[None],
+    probe = ProbePiece(tokens=torch.arange(1, 7).view(1, 6), position_ids=torch.arange(6)[None],
                        mask=torch.ones(1, 6, dtype=torch.bool))
     shares = [context_parallel_share(probe, r, 2, multiple=4) for r in range(2)]
     # 6 positions padded to 8 (token 0, positions 6 and 7, not counted), chunks of 2.

@@ -146,3 +146,20 @@ def test_bad_labels_raise_value_error_naming_the_problem():
         tracker.label([torch.empty(2, 2).to_sparse()], "weights")
     with pytest.raises(ValueError, match="category is empty"):
         tracker.label_live("")
+
+
+def test_a_span_measures_its_own_peak_and_the_tracker_keeps_the_overall_one():
+    with LiveTensorTracker() as tracker:
+        big = torch.zeros(1000, dtype=torch.float32)  # 4000 B, freed before the span
+        del big
+        kept = torch.zeros(100, dtype=torch.float32)  # 400 B alive through the span
+        with tracker.span() as span:
+            small = torch.zeros(200, dtype=torch.float32)  # 800 B
+            del small
+        assert span.peak_bytes == 400 + 800
+        assert tracker.peak_bytes == 4000
+        with tracker.span() as larger:
+            huge = torch.zeros(2000, dtype=torch.float32)  # 8000 B
+            del huge
+        assert larger.peak_bytes == tracker.peak_bytes == 400 + 8000
+        del kept

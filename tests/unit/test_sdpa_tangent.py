@@ -10,6 +10,8 @@ import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from megatron_logra.mcore.models import sdpa_forward_ad
 from megatron_logra.mcore.models.sdpa_forward_ad import attention
@@ -61,10 +63,13 @@ def _case(name, generator):
     return primals, tangents, allowed, is_causal
 
 
-@pytest.mark.parametrize("query_block", [1024, 5])  # one block; several, with a ragged last one
+# One block; blocks of a few rows (causal: growing key ranges, a ragged last block); blocks
+# of one row, the least any budget allows.
+@pytest.mark.parametrize("block_elements", [2**24, 5 * BATCH * HEADS * 12, 1])
 @pytest.mark.parametrize("name", ["causal", "causal_gqa", "mask_with_empty_row", "decode_row"])
-def test_tangent_of_sdpa_attention_equals_reference_jvp_in_float64(name, query_block, monkeypatch):
-    monkeypatch.setattr(sdpa_forward_ad, "QUERY_BLOCK", query_block)
+def test_tangent_of_sdpa_attention_equals_reference_jvp_in_float64(name, block_elements,
+                                                                   monkeypatch):
+    monkeypatch.setattr(sdpa_forward_ad, "BLOCK_ELEMENTS", block_elements)
     generator = torch.Generator().manual_seed(0)
     primals, tangents, allowed, is_causal = _case(name, generator)
     scale = SCALE
@@ -98,3 +103,51 @@ def test_backward_of_a_forward_inside_a_dual_level_equals_the_fused_backward():
         attention(*duals, allowed, is_causal, SCALE).backward(grad_out)
     for got, want in zip(leaves, plain, strict=True):
         assert torch.equal(got.grad, want.grad)
+
+
+class _LargestStorage(TorchDispatchMode):
+    """The most elements of a new storage behind any tensor an operator returns while active
+    (views count as their storage; the storages of ``given`` tensors are not new)."""
+
+    def __init__(self, given: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.given = {t.untyped_storage().data_ptr() for t in given}
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        for value in tree_leaves(out):
+            if isinstance(value, torch.Tensor):
+                storage = value.untyped_storage()
+                if storage.data_ptr() not in self.given:
+                    self.largest = max(self.largest, storage.nbytes() // value.element_size())
+        return out
+
+
+@pytest.mark.parametrize("is_causal", [True, False])
+def test_tangent_rule_holds_no_tensor_larger_than_its_block_budget(is_causal, monkeypatch):
+    """At 64 tokens, 4 query heads (2 key/value heads), a budget of 1024 elements: every
+    tensor the rule makes stays within it, where one [heads, s, s] score tensor is 16384.
+    (The rule only: the fused kernel of the primal may expand an explicit mask itself.)"""
+    budget, s = 1024, 64
+    monkeypatch.setattr(sdpa_forward_ad, "BLOCK_ELEMENTS", budget)
+    generator = torch.Generator().manual_seed(3)
+    shapes = ((1, 4, s, 2), (1, 2, s, 2), (1, 2, s, 2))
+    primals = [torch.randn(shape, generator=generator, dtype=torch.float64) for shape in shapes]
+    tangents = [torch.randn_like(p) for p in primals]
+    allowed = None if is_causal else torch.ones(s, s, dtype=torch.bool).tril()
+    mode = _LargestStorage([*primals, *tangents, *([allowed] if allowed is not None else [])])
+    rule = sdpa_forward_ad._AttentionWithTangent.jvp
+
+    def watched(*args):  # noqa: ANN002, ANN202
+        with mode:
+            return rule(*args)
+
+    monkeypatch.setattr(sdpa_forward_ad._AttentionWithTangent, "jvp", staticmethod(watched))
+    with torch.no_grad(), fwAD.dual_level():
+        duals = [fwAD.make_dual(p, t) for p, t in zip(primals, tangents, strict=True)]
+        got = fwAD.unpack_dual(attention(*duals, allowed, is_causal, SCALE)).tangent
+    assert 0 < mode.largest <= budget < 4 * s * s
+    _, want = torch.func.jvp(lambda q, k, v: reference(q, k, v, allowed, is_causal, SCALE),
+                             tuple(primals), tuple(tangents))
+    assert _rel(got, want) < TANGENT_REL_TOL_FP64

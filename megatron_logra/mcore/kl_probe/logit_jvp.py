@@ -33,7 +33,8 @@ Shape names: s = sequence, b = micro-batch, k = rank of the direction, V = vocab
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -74,6 +75,13 @@ class LogitJVP:
 
     logits: torch.Tensor
     tangent: torch.Tensor
+
+
+LOST_TANGENT = (
+    "the logits carry no forward-mode tangent: an operation between the perturbed layers and "
+    "the output dropped it (a raw collective on a dual tensor, .data, .detach(), or a kernel "
+    "without a forward-AD formula)"
+)
 
 
 def _tp_size(group: dist.ProcessGroup | None) -> int:
@@ -139,12 +147,15 @@ def _injection_hook(target: SketchTarget, direction: LowRankDirection) -> Any:
         input_ = args[0] if args else kwargs["input_"]
         primal_input = fwAD.unpack_dual(input_).primal
         out, bias = output
-        primal_out = fwAD.unpack_dual(out).primal
+        primal_out, upstream = fwAD.unpack_dual(out)
         tangent = _output_tangent(target, primal_input, direction, primal_out.shape)
-        # Adding a dual zero keeps any upstream tangent and adds this layer's term to it; the
-        # primal is unchanged bit for bit (x + 0 == x).
-        injected = fwAD.make_dual(torch.zeros_like(primal_out), tangent.to(primal_out.dtype))
-        return out + injected, bias
+        tangent = tangent.to(primal_out.dtype)
+        if upstream is not None:
+            tangent = tangent.add_(upstream) if tangent.dtype == upstream.dtype else (
+                upstream + tangent)
+        # The same primal (a view, not a copy) with this layer's term added to any upstream
+        # tangent.
+        return fwAD.make_dual(primal_out, tangent), bias
 
     return hook
 
@@ -299,6 +310,65 @@ def staged_forward(
     return output
 
 
+@contextmanager
+def probe_mode(
+    model_chunks: Sequence[torch.nn.Module],
+    *,
+    targets: Sequence[SketchTarget] = (),
+    directions: Mapping[str, LowRankDirection] | None = None,
+    parameter_tangents: Mapping[str, torch.Tensor] | None = None,
+) -> Iterator[None]:
+    """The model as every probe forward runs it: eval mode, no grad, and -- with
+    ``directions`` or ``parameter_tangents`` -- a forward-AD dual level with the tangents
+    attached (the targets' injection hooks, dual non-target parameters), the forward-AD rules
+    installed. Everything is restored on exit, also when the body raises.
+
+    Raises:
+        ValueError: malformed directions or parameter tangents, or a target outside the chunks.
+    """
+    parameter_tangents = dict(parameter_tangents or {})
+    dual = directions is not None or bool(parameter_tangents)
+    directions = dict(directions or {})
+    if parameter_tangents and len(model_chunks) != 1:
+        raise ValueError("parameter tangents are supported for a single model chunk only")
+    modules_in_chunks = {id(m) for chunk in model_chunks for m in unwrap_model(chunk).modules()}
+    for target in targets:
+        if id(target.module) not in modules_in_chunks:
+            raise ValueError(f"target {target.layer_key} is not a module of the given chunks")
+    by_key = _check_directions(targets, directions)
+    duals = _dual_parameters(model_chunks[0], targets, parameter_tangents) if dual else []
+    if dual:
+        install_forward_ad_rules()
+    training_flags = [
+        (module, module.training) for chunk in model_chunks
+        for module in unwrap_model(chunk).modules()
+    ]
+    handles = []
+    try:
+        for chunk in model_chunks:
+            unwrap_model(chunk).eval()
+        with torch.no_grad(), (fwAD.dual_level() if dual else nullcontext()):
+            for parameter in duals:
+                parameter.module._parameters[parameter.attr] = fwAD.make_dual(
+                    parameter.original.detach(), parameter.tangent
+                )
+            for key, direction in directions.items():
+                target = by_key[key]
+                handles.append(
+                    target.module.register_forward_hook(
+                        _injection_hook(target, direction), with_kwargs=True
+                    )
+                )
+            yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        for parameter in duals:
+            parameter.module._parameters[parameter.attr] = parameter.original
+        for module, flag in training_flags:
+            module.training = flag
+
+
 def logit_jvp(
     model_chunks: Sequence[torch.nn.Module],
     tokens: torch.Tensor,
@@ -310,7 +380,12 @@ def logit_jvp(
     attention_mask: torch.Tensor | None = None,
     pipeline: PipelinePosition | None = None,
 ) -> LogitJVP | None:
-    """Logits and their exact first-order change along ``directions`` (and parameter tangents).
+    """Logits and their exact first-order change along ``directions`` (and parameter tangents),
+    through the model's own output layer, for a whole batch at once.
+
+    The reference form: it holds the ``[b, s, V_local]`` logits and tangent. The step control
+    streams instead (:mod:`megatron_logra.mcore.kl_probe.stream`: bounded pieces, the output
+    layer chunk by chunk); tests compare the two.
 
     Args:
         model_chunks: this rank's model chunks (one per virtual pipeline stage), optionally
@@ -325,9 +400,8 @@ def logit_jvp(
         attention_mask: passed to the model (None: the causal mask of the layer spec).
         pipeline: this rank's pipeline position when ``pp > 1``.
 
-    Runs under ``torch.no_grad`` in eval mode (the modules' training flags are restored), with
-    the forward-AD rules installed (idempotently). Collectives: the same as a forward plus one
-    per target; every rank of the model must call this with the same batch.
+    Runs under :func:`probe_mode`. Collectives: the same as a forward plus one per target;
+    every rank of the model must call this with the same batch.
 
     Returns:
         The logits and tangent on the ranks holding the last pipeline stage, None elsewhere.
@@ -336,57 +410,17 @@ def logit_jvp(
         ValueError: malformed directions or parameter tangents, or nothing to differentiate.
         RuntimeError: the logits came out without a tangent.
     """
-    parameter_tangents = dict(parameter_tangents or {})
     if not directions and not parameter_tangents:
         raise ValueError("logit_jvp needs at least one direction or parameter tangent")
-    if parameter_tangents and len(model_chunks) != 1:
-        raise ValueError("parameter tangents are supported for a single model chunk only")
-    modules_in_chunks = {id(m) for chunk in model_chunks for m in unwrap_model(chunk).modules()}
-    for target in targets:
-        if id(target.module) not in modules_in_chunks:
-            raise ValueError(f"target {target.layer_key} is not a module of the given chunks")
-    by_key = _check_directions(targets, directions)
-    duals = _dual_parameters(model_chunks[0], targets, parameter_tangents)
-
-    install_forward_ad_rules()
-    training_flags = [
-        (module, module.training) for chunk in model_chunks
-        for module in unwrap_model(chunk).modules()
-    ]
-    handles = []
-    try:
-        for chunk in model_chunks:
-            unwrap_model(chunk).eval()
-        with torch.no_grad(), fwAD.dual_level():
-            for dual in duals:
-                dual.module._parameters[dual.attr] = fwAD.make_dual(
-                    dual.original.detach(), dual.tangent
-                )
-            for key, direction in directions.items():
-                target = by_key[key]
-                handles.append(
-                    target.module.register_forward_hook(
-                        _injection_hook(target, direction), with_kwargs=True
-                    )
-                )
-            output = staged_forward(model_chunks, tokens, position_ids, pipeline=pipeline,
-                                    dual=True, attention_mask=attention_mask)
-            if output is None:
-                return None
-            logits, tangent = fwAD.unpack_dual(output)
-            if tangent is None:
-                raise RuntimeError(
-                    "the logits carry no forward-mode tangent: an operation between the "
-                    "perturbed layers and the output dropped it (a raw collective on a dual "
-                    "tensor, .data, .detach(), or a kernel without a forward-AD formula)"
-                )
-    finally:
-        for handle in handles:
-            handle.remove()
-        for dual in duals:
-            dual.module._parameters[dual.attr] = dual.original
-        for module, flag in training_flags:
-            module.training = flag
+    with probe_mode(model_chunks, targets=targets, directions=directions,
+                    parameter_tangents=parameter_tangents):
+        output = staged_forward(model_chunks, tokens, position_ids, pipeline=pipeline,
+                                dual=True, attention_mask=attention_mask)
+        if output is None:
+            return None
+        logits, tangent = fwAD.unpack_dual(output)
+        if tangent is None:
+            raise RuntimeError(LOST_TANGENT)
     return LogitJVP(logits=logits, tangent=tangent)
 
 
@@ -397,18 +431,8 @@ def probe_logits(
     *,
     pipeline: PipelinePosition | None = None,
 ) -> torch.Tensor | None:
-    """A plain forward of the probe batch (eval mode, no grad): this rank's vocab shard of the
-    logits on the ranks holding the last pipeline stage, None elsewhere."""
-    training_flags = [
-        (module, module.training) for chunk in model_chunks
-        for module in unwrap_model(chunk).modules()
-    ]
-    try:
-        for chunk in model_chunks:
-            unwrap_model(chunk).eval()
-        with torch.no_grad():
-            return staged_forward(model_chunks, tokens, position_ids, pipeline=pipeline,
-                                  dual=False)
-    finally:
-        for module, flag in training_flags:
-            module.training = flag
+    """A plain forward of a batch (eval mode, no grad): this rank's vocab shard of the logits
+    on the ranks holding the last pipeline stage, None elsewhere (the reference form of the
+    realised-KL pass)."""
+    with probe_mode(model_chunks):
+        return staged_forward(model_chunks, tokens, position_ids, pipeline=pipeline, dual=False)

@@ -1,17 +1,22 @@
-"""Predicted-KL step control on a Megatron model, for any TP / SP / PP / DP layout.
+"""Predicted-KL step control on a Megatron model, for any TP / SP / PP / DP / EP layout.
 
 Once per step, after the LoGRA optimizer has prepared its update ``s = -sum_l D_l A_l`` and before
 anything is applied:
 
-1. the first-order change of the logits along ``s``, ``dz = J s``, is computed on the probe batch
-   with one forward-mode pass (:func:`megatron_logra.mcore.kl_probe.logit_jvp.logit_jvp`: the low-rank
-   factors are injected at the target layers, tangents flow through Megatron's TP/SP Functions
-   and, between pipeline stages, through point-to-point messages);
-2. the predicted per-token KL ``m = 1/2 Var_p(dz / T)`` is computed in float64 on the vocab
-   shards (no vocabulary gather) and averaged over every probe token of every DP rank;
+1. the first-order change of the logits along ``s``, ``dz = J s``, is computed on the probe with
+   one forward-mode pass per probe piece (:mod:`megatron_logra.mcore.kl_probe.stream`: the
+   low-rank factors are injected at the target layers, tangents flow through Megatron's TP/SP
+   Functions and, between pipeline stages, through point-to-point messages; the output layer
+   runs chunk by chunk over the counted positions);
+2. each chunk's predicted per-token KL ``m = 1/2 Var_p(dz / T)`` is computed in float64 on the
+   vocab shards (no vocabulary gather) and summed at once
+   (:mod:`megatron_logra.mcore.kl_probe.probe_sums`), then averaged over every probe token of
+   every DP rank;
 3. the controller turns ``m`` into the step scale ``alpha`` (budget schedule, mismatch EMA, cap);
 4. after the update, the *realised* KL between the old and new policies on the same probe tokens
-   is measured with a second forward, so users can see the prediction is honest.
+   is measured with a plain pass per piece, the old logits recomputed chunk by chunk from what
+   the prediction kept (the final hidden states at the counted positions, and a copy of the
+   output weight when it trains), so users can see the prediction is honest.
 
 Why forward-mode AD rather than finite differences: at realistic step sizes (~1e-4 of the weights)
 fp32 finite differences carry 1e-4..1e-3 relative error and bf16 ones are useless, while the JVP is
@@ -36,17 +41,20 @@ import torch.distributed as dist
 
 from megatron_logra.config import KLControlConfig
 from megatron_logra.controller import KLController, KLDecision
-from megatron_logra.kl import TokenSum, exact_kl_vocab_parallel, predicted_kl_vocab_parallel
-from megatron_logra.mcore.kl_probe.logit_jvp import (
-    LowRankDirection,
-    PipelinePosition,
-    logit_jvp,
-    probe_logits,
+from megatron_logra.kl import TokenSum
+from megatron_logra.mcore.kl_probe.logit_jvp import LowRankDirection, PipelinePosition
+from megatron_logra.mcore.kl_probe.probe_sums import (
+    KeptLogits,
+    KLSettings,
+    predicted_sums,
+    probe_token_mean,
+    realised_sums,
 )
+from megatron_logra.mcore.kl_probe.stream import layout_pieces, length_multiple, refuse_packed
 from megatron_logra.mcore.models.sharding import unwrap_model
 from megatron_logra.mcore.models.targets import SketchTarget
 from megatron_logra.mcore.process_groups import ParallelGroups
-from megatron_logra.probe_batch import ProbeBatch, context_parallel_share
+from megatron_logra.probe_batch import ProbeBatch, ProbePiece, context_parallel_share
 from megatron_logra.step_scale import ProposedUpdate
 
 
@@ -76,30 +84,31 @@ class KLStepControl:
         self.model_chunks = list(model_chunks)
         self.targets = list(targets)
         self.groups = groups
-        self.temperature = settings.temperature
-        self.vocab_size = vocab_size
         self.controller = KLController(settings)
         self.pipeline = (
             PipelinePosition(groups.pp_rank, groups.pp_size, groups.pp)
             if groups.pp_size > 1 else None
         )
+        self.kl = KLSettings(temperature=settings.temperature, tp_group=groups.tp,
+                             vocab_size=vocab_size)
         self.batch: ProbeBatch | None = None
         self.decision: KLDecision | None = None
-        self._logits_before: torch.Tensor | None = None
+        self._pieces: list[ProbePiece] = []
+        self._kept: KeptLogits | None = None
+        self.predicted_piece_sums: list[TokenSum] = []
+        """This rank's sums of the last prediction, one per laid-out piece (on the ranks that
+        hold the output; empty elsewhere)."""
+        self.realised_piece_sums: list[TokenSum] = []
+        """The same of the last realised-KL measurement."""
+
+    @property
+    def pieces(self) -> list[ProbePiece]:
+        """The pieces of the last prediction as this layout ran them (padded, aligned)."""
+        return list(self._pieces)
 
     def set_batch(self, batch: ProbeBatch) -> None:
-        if batch.mask.dtype != torch.bool or batch.mask.shape != batch.tokens.shape:
-            raise ValueError(
-                f"probe mask must be a bool tensor shaped like the tokens {tuple(batch.tokens.shape)}"
-                f", got {batch.mask.dtype} {tuple(batch.mask.shape)}"
-            )
-        groups = self.groups
-        sequence_parallel = unwrap_model(self.model_chunks[0]).config.sequence_parallel
-        # Each CP rank probes its own chunks of the probe sequences: their sums add up over the
-        # DP x CP ranks in _global_mean, as the DP replicas' do.
-        self.batch = context_parallel_share(
-            batch, groups.cp_rank, groups.cp_size,
-            2 * groups.cp_size * (groups.tp_size if sequence_parallel else 1))
+        refuse_packed(batch.pieces)
+        self.batch = batch
 
     def observe_mismatch(self, observed_gap: float | None) -> float:
         return self.controller.observe_mismatch(observed_gap)
@@ -107,22 +116,34 @@ class KLStepControl:
     def _holds_logits(self) -> bool:
         return self.groups.is_last_stage()
 
-    def _global_mean(self, local: TokenSum | None, what: str) -> float:
-        """Token mean over every DP rank's probe. Vocab-parallel sums are complete on every TP
-        rank of the last stage: TP rank 0 of the last stage contributes, others add zeros."""
-        total = torch.zeros(2, dtype=torch.float64, device=self.groups.device)
-        if local is not None and self._holds_logits() and self.groups.tp_rank == 0:
-            total[0], total[1] = local.total, local.count
-        dist.all_reduce(total)
-        if total[1] <= 0:
-            raise RuntimeError(f"no probe tokens on any rank to measure the {what} KL")
-        return float(total[0] / total[1])
+    def _global_mean(self, sums: list[TokenSum], what: str) -> float:
+        # Every TP rank of the last stage holds the same vocab-reduced sums: TP rank 0 counts.
+        contributes = self._holds_logits() and self.groups.tp_rank == 0
+        return probe_token_mean(sums, contributes=contributes, group=dist.group.WORLD,
+                                device=self.groups.device, what=what)
 
     def state_dict(self) -> dict[str, Any]:
         return self.controller.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.controller.load_state_dict(state)
+
+    def _layout(self, batch: ProbeBatch) -> list[ProbePiece]:
+        # The expert token dispatchers exchange every piece's tokens over the EP group; the
+        # all-gather one gathers equal shares.
+        align = self.groups.ep if self.groups.ep_size > 1 else None
+        config = unwrap_model(self.model_chunks[0]).config
+        groups = self.groups
+        # Under context parallelism a piece splits into 2 cp equal chunks (of a multiple of TP
+        # under sequence parallelism); the CP ranks of a replica hold the same pieces and each
+        # runs its own chunks of every one (the attention gathers the keys).
+        multiple = length_multiple(self.model_chunks) * (2 * groups.cp_size
+                                                         if groups.cp_size > 1 else 1)
+        pieces = layout_pieces(batch, multiple=multiple, align_group=align,
+                               device=groups.device,
+                               same_lengths=config.moe_token_dispatcher_type == "allgather")
+        return [context_parallel_share(piece, groups.cp_rank, groups.cp_size, multiple)
+                for piece in pieces]
 
     @torch.no_grad()
     def __call__(self, proposal: ProposedUpdate) -> float:
@@ -131,23 +152,14 @@ class KLStepControl:
             raise RuntimeError("KLStepControl has no probe batch for this step (set_batch)")
         proposals = {key: LowRankDirection(left, right)
                      for key, (left, right) in proposal.directions.items()}
-        result = None
-        # A DP replica holding none of the global probe sequences skips the forward; all ranks
-        # of its model-parallel group hold the same (empty) batch, so they skip together.
-        if self.batch.tokens.shape[0] > 0:
-            result = logit_jvp(
-                self.model_chunks, self.batch.tokens, self.batch.position_ids,
-                targets=self.targets, directions=proposals, pipeline=self.pipeline,
-            )
-        local = None
-        self._logits_before = None
-        if result is not None:
-            local = predicted_kl_vocab_parallel(
-                result.logits, result.tangent, temperature=self.temperature,
-                tp_group=self.groups.tp, mask=self._logit_mask(), vocab_size=self.vocab_size,
-            )
-            self._logits_before = result.logits
-        predicted = self._global_mean(local, "predicted")
+        self._pieces = self._layout(self.batch)
+        self._kept = None
+        sums, self._kept = predicted_sums(
+            self.model_chunks, self._pieces, targets=self.targets, directions=proposals,
+            kl=self.kl, pipeline=self.pipeline, holds_output=self._holds_logits(), keep=True,
+        )
+        self.predicted_piece_sums = sums
+        predicted = self._global_mean(sums, "predicted")
         self.decision = self.controller.decide(predicted,
                                                completed_updates=proposal.completed_updates)
         return self.decision.alpha
@@ -157,24 +169,15 @@ class KLStepControl:
         """KL(old policy || new policy) per probe token, measured after the update."""
         if self.batch is None:
             raise RuntimeError("no probe batch")
-        after = None
-        if self.batch.tokens.shape[0] > 0:
-            after = probe_logits(self.model_chunks, self.batch.tokens, self.batch.position_ids,
-                                 pipeline=self.pipeline)
-        local = None
-        if after is not None:
-            if self._logits_before is None:
-                raise RuntimeError("realised() needs the logits of a preceding prediction")
-            local = exact_kl_vocab_parallel(
-                self._logits_before, after, temperature=self.temperature,
-                tp_group=self.groups.tp, mask=self._logit_mask(), vocab_size=self.vocab_size,
-            )
-        self._logits_before = None
-        return self._global_mean(local, "realised")
-
-    def _logit_mask(self) -> torch.Tensor:
-        # GPTModel returns logits as [b, s, V_local], aligned with the tokens.
-        return self.batch.mask
+        if self._holds_logits() and self._pieces and self._kept is None:
+            raise RuntimeError("realised() needs the logits of a preceding prediction")
+        try:
+            sums = realised_sums(self.model_chunks, self._pieces, self._kept, kl=self.kl,
+                                 pipeline=self.pipeline, holds_output=self._holds_logits())
+        finally:
+            self._kept = None
+        self.realised_piece_sums = sums
+        return self._global_mean(sums, "realised")
 
     def metrics(self, realised: float) -> dict[str, float]:
         decision = self.decision

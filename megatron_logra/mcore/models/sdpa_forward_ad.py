@@ -12,10 +12,14 @@ the same fused kernel's (so the probe's primal logits are those of a plain forwa
     dS = scale * (dQ K^T + Q dK^T)
     dO = (P * (dS - rowsum(P * dS))) V + P dV
 
-The rule forms ``P`` for a block of query rows at a time (``QUERY_BLOCK`` rows), so the probe's
-temporary is ``[b, heads, QUERY_BLOCK, s_k]`` per layer, not ``s x s``; nothing is kept after the
-layer (the probe runs under no_grad). Rows whose keys are all masked are zero in the fused
-kernel's output (a constant), so their tangent is zero.
+Bounded blocks: the rule forms ``P`` for a block of query rows at a time, sized so that one
+``[b, heads, rows, keys]`` block holds at most :data:`BLOCK_ELEMENTS` elements whatever the
+sequence length (at least one row), and under a causal mask a block reads only the keys its rows
+can see (``keys = last row + 1``: half the work of the square). Two block-sized tensors are alive
+at a time (the probabilities and the weighted score tangent, updated in place); grouped-query
+heads are folded into the rows of their key/value head, so keys and values are never repeated in
+memory; nothing is kept after the layer (the probe runs under no_grad). Rows whose keys are all
+masked are zero in the fused kernel's output (a constant), so their tangent is zero.
 
 Shapes: ``[b, heads, s, head_dim]`` (SDPA's layout); keys and values may have fewer heads
 (grouped-query attention), each serving ``heads / kv_heads`` consecutive query heads.
@@ -32,6 +36,7 @@ dtype and shared by every layer (the CPU flash kernel keeps it for backward by r
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import torch
@@ -39,8 +44,10 @@ import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-# Query rows per block of the tangent rule: bounds its [b, heads, block, s_k] temporaries.
-QUERY_BLOCK = 1024
+BLOCK_ELEMENTS = 2**24
+"""Elements of one ``[b, heads, rows, keys]`` block of the tangent rule (64 MiB in fp32; the rule
+holds two): small beside a layer's activations at RL lengths, large enough that each block's
+matmuls run at full speed (at 8192 keys and 8 heads a block is 256 query rows)."""
 
 
 def attention(
@@ -101,34 +108,52 @@ class _AttentionWithTangent(torch.autograd.Function):
         ctx.save_for_backward(query, key, value)
         ctx.allowed, ctx.is_causal, ctx.scale = allowed, is_causal, scale
         ctx.bottom_right = bottom_right
+        ctx.shape = (query.shape[0], query.shape[1], query.shape[2], key.shape[2])
         return _fused(query, key, value, allowed, is_causal, scale, bottom_right)
 
     @staticmethod
     def jvp(ctx: Any, d_query, d_key, d_value, *_: Any) -> torch.Tensor:  # noqa: ANN001
         query, key, value = ctx.saved_tensors
-        groups = query.shape[1] // key.shape[1]
-        zeros = torch.zeros_like
-        d_query = zeros(query) if d_query is None else d_query
-        # Grouped-query attention: each key/value head serves `groups` consecutive query heads.
-        key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))
-        d_key = zeros(key) if d_key is None else d_key.repeat_interleave(groups, dim=1)
-        d_value = zeros(value) if d_value is None else d_value.repeat_interleave(groups, dim=1)
-        s_q, s_k = query.shape[2], key.shape[2]
-        blocks = []
-        for start in range(0, s_q, QUERY_BLOCK):
-            rows = slice(start, min(start + QUERY_BLOCK, s_q))
-            q, dq = query[:, :, rows], d_query[:, :, rows]
-            scores = _scores(q, key, ctx.scale)
-            d_scores = _scores(dq, key, ctx.scale) + _scores(q, d_key, ctx.scale)
-            allowed = _allowed_block(ctx, rows, s_q, s_k, query.device)
+        batch, heads, s_q, dim = query.shape
+        kv_heads, s_k = key.shape[1], key.shape[2]
+        groups = heads // kv_heads
+        # A bottom-right causal mask: query i sees keys up to i + shift.
+        shift = s_k - s_q if ctx.bottom_right else 0
+        d_query = torch.zeros_like(query) if d_query is None else d_query
+        d_key = torch.zeros_like(key) if d_key is None else d_key
+        d_value = torch.zeros_like(value) if d_value is None else d_value
+        # One matmul gives the score tangent: [dQ, Q] [K, dK]^T = dQ K^T + Q dK^T.
+        keys_both = torch.cat([key, d_key], dim=-1).transpose(-1, -2)  # [b, kv, 2d, s_k]
+        # Query heads as rows of their key/value head: [b, kv, groups, s_q, d].
+        q5 = query.reshape(batch, kv_heads, groups, s_q, dim)
+        dq5 = d_query.reshape(batch, kv_heads, groups, s_q, dim)
+        out = query.new_empty(batch, kv_heads, groups, s_q, dim)
+        start = 0
+        while start < s_q:
+            stop = start + _block_rows(ctx, start, s_q, s_k, batch * heads, shift)
+            keys = min(s_k, stop + shift) if ctx.is_causal and ctx.allowed is None else s_k
+            rows = (stop - start) * groups
+            both = torch.cat([dq5[:, :, :, start:stop], q5[:, :, :, start:stop]], dim=-1)
+            both = both.reshape(batch, kv_heads, rows, 2 * dim).mul_(ctx.scale)
+            d_scores = torch.matmul(both, keys_both[..., :keys])  # scale (dQ K^T + Q dK^T)
+            probs = torch.matmul(both[..., dim:], keys_both[..., :dim, :keys])  # scale Q K^T
+            del both
+            allowed = _allowed_block(ctx, start, stop, keys, groups, query.device)
             if allowed is not None:
-                scores = scores.masked_fill(~allowed, float("-inf"))
-            probs = torch.softmax(scores, dim=-1)
-            # A fully masked row: softmax gives NaN, the fused kernel gives a constant zero.
-            probs = torch.nan_to_num(probs, nan=0.0)
-            centred = d_scores - (probs * d_scores).sum(dim=-1, keepdim=True)
-            blocks.append(torch.matmul(probs * centred, value) + torch.matmul(probs, d_value))
-        return torch.cat(blocks, dim=2)
+                probs.masked_fill_(~allowed, float("-inf"))
+            _softmax_(probs)
+            if ctx.allowed is not None:
+                # A fully masked row: the softmax is NaN, the fused kernel gives a constant zero.
+                probs.nan_to_num_(nan=0.0)
+            weighted = d_scores.mul_(probs)  # P * dS
+            weighted.addcmul_(probs, weighted.sum(dim=-1, keepdim=True), value=-1.0)
+            block = torch.matmul(weighted, value[:, :, :keys])
+            del weighted
+            block += torch.matmul(probs, d_value[:, :, :keys])
+            del probs
+            out[:, :, :, start:stop] = block.view(batch, kv_heads, groups, stop - start, dim)
+            start = stop
+        return out.view(batch, heads, s_q, dim)
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -140,21 +165,41 @@ class _AttentionWithTangent(torch.autograd.Function):
         return (*grads, None, None, None, None)
 
 
-def _scores(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
-    """``scale * a b^T`` over the last two dimensions."""
-    return torch.matmul(a, b.transpose(-1, -2)) * scale
+def _block_rows(ctx: Any, start: int, s_q: int, s_k: int, heads: int, shift: int = 0) -> int:
+    """Query rows of the block starting at ``start``: the most whose ``[heads, rows, keys]``
+    block fits :data:`BLOCK_ELEMENTS` (``heads`` = batch x query heads), at least one
+    (``shift``: the keys a bottom-right causal mask shows each row beyond its own index)."""
+    budget = BLOCK_ELEMENTS // heads
+    if ctx.is_causal and ctx.allowed is None:
+        # rows * (first + rows) <= budget: the block's keys end at its last row.
+        first = start + shift
+        rows = int((math.isqrt(first * first + 4 * budget) - first) // 2)
+    else:
+        rows = budget // s_k
+    return max(1, min(rows, s_q - start))
 
 
-def _allowed_block(ctx: Any, rows: slice, s_q: int, s_k: int,
+def _softmax_(scores: torch.Tensor) -> None:
+    """Softmax over the last dimension, in place (no second block-sized tensor)."""
+    scores.sub_(scores.amax(dim=-1, keepdim=True)).exp_()
+    scores.div_(scores.sum(dim=-1, keepdim=True))
+
+
+def _allowed_block(ctx: Any, start: int, stop: int, keys: int, groups: int,
                    device: torch.device) -> torch.Tensor | None:
-    """The mask of query rows ``rows``: True where a query may attend to a key."""
+    """Where the block's rows may attend to keys ``0:keys`` (True = may attend), in the block's
+    row order (``groups`` query heads of a key/value head, each rows ``start:stop``)."""
+    rows = stop - start
     if ctx.allowed is not None:
-        allowed = ctx.allowed
-        return allowed[..., rows, :] if allowed.shape[-2] != 1 else allowed
+        batch, heads, s_q, s_k = ctx.shape
+        allowed = torch.broadcast_to(ctx.allowed, (batch, heads, s_q, s_k))
+        return allowed[:, :, start:stop, :keys].reshape(batch, heads // groups, groups * rows,
+                                                        keys)
     if not ctx.is_causal:
         return None
     # SDPA's causal mask is aligned to the top left (query i sees keys 0..i); a bottom-right
     # one is shifted by the keys before the first query.
-    shift = s_k - s_q if ctx.bottom_right else 0
-    query_index = torch.arange(rows.start, rows.stop, device=device)[:, None] + shift
-    return torch.arange(s_k, device=device)[None, :] <= query_index
+    shift = ctx.shape[3] - ctx.shape[2] if ctx.bottom_right else 0
+    query_index = torch.arange(start, stop, device=device)[:, None] + shift
+    allowed = torch.arange(keys, device=device)[None, :] <= query_index
+    return allowed.repeat(groups, 1)  # [groups x rows, keys]

@@ -46,12 +46,19 @@ class StepPeak:
         peak_by_category: weights, adapters, grads, persistent, activations, temporaries at
             that moment.
         peak_in_realised_kl: whether the peak fell in the realised-KL pass after the update.
+        peak_in_kl_probe: whether the peak fell in the KL probe's forward-mode pass (the step
+            scale's call inside the optimizer's step).
+        kl_probe_bytes: the most live during the KL step control's two passes (the predicted
+            and the realised KL) beyond the persistent state -- the estimate's
+            ``after_backward`` (0 without KL control).
     """
 
     persistent_bytes: int
     peak_bytes: int
     peak_by_category: dict[str, int] = field(default_factory=dict)
     peak_in_realised_kl: bool = False
+    peak_in_kl_probe: bool = False
+    kl_probe_bytes: int = 0
 
 
 def random_microbatches(cfg: Config, groups: ParallelGroups, *, vocab_size: int,
@@ -105,26 +112,65 @@ def _label_persistent(tracker: LiveTensorTracker, setup: TrainingSetup) -> None:
     tracker.label_live(PERSISTENT)
 
 
+class _PeakWatch:
+    """The step scale, watched: whether the tracker's peak rose during its call."""
+
+    def __init__(self, inner: Any, tracker: LiveTensorTracker) -> None:
+        self.inner, self.tracker = inner, tracker
+        self.raised, self.peak_after, self.span_peak = False, 0, 0
+
+    def __call__(self, proposal: Any) -> float:
+        before = self.tracker.peak_bytes
+        with self.tracker.span() as span:
+            alpha = self.inner(proposal)
+        self.span_peak = span.peak_bytes
+        self.peak_after = self.tracker.peak_bytes
+        self.raised = self.peak_after > before
+        return alpha
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state)
+
+
 def _step(cfg: Config, setup: TrainingSetup, batch: list[Microbatch],
-          groups: ParallelGroups, tracker: LiveTensorTracker | None) -> bool:
-    """One training step as the supervised loop runs it; returns whether the realised-KL pass
-    raised the step's peak (seen when ``tracker`` is given)."""
+          groups: ParallelGroups, tracker: LiveTensorTracker | None) -> tuple[bool, bool, int]:
+    """One training step as the supervised loop runs it; returns whether the KL probe's
+    forward-mode pass and whether the realised-KL pass set the step's peak, and the most live
+    during those two passes (seen when ``tracker`` is given)."""
     control = setup.kl_control
     if control is not None:
         control.set_batch(supervised_probe_batch(batch, cfg.logra.kl_control,
-                                                 dp_rank=groups.data_rank))
-    if cfg.train.packing.enabled:
-        rows = packed_rows(cfg, batch)
-        train_step(setup, rows, groups=groups, seq_length=max(r.tokens.shape[1] for r in rows),
-                   micro_batch_size=1)
-    else:
-        train_step(setup, batch, groups=groups, seq_length=cfg.model.seq_length,
-                   micro_batch_size=cfg.train.micro_batch_size)
+                                                 dp_rank=groups.data_rank,
+                                                 dp_size=groups.data_size))
+    watch = None
+    if control is not None and tracker is not None:
+        watch = _PeakWatch(setup.logra.step_scale, tracker)
+        setup.logra.step_scale = watch
+    try:
+        if cfg.train.packing.enabled:
+            rows = packed_rows(cfg, batch)
+            train_step(setup, rows, groups=groups,
+                       seq_length=max(r.tokens.shape[1] for r in rows), micro_batch_size=1)
+        else:
+            train_step(setup, batch, groups=groups, seq_length=cfg.model.seq_length,
+                       micro_batch_size=cfg.train.micro_batch_size)
+    finally:
+        if watch is not None:
+            setup.logra.step_scale = watch.inner
     if control is None:
-        return False
-    before = tracker.peak_bytes if tracker is not None else 0
-    control.realised()
-    return tracker is not None and tracker.peak_bytes > before
+        return False, False, 0
+    if tracker is None:
+        control.realised()
+        return False, False, 0
+    before = tracker.peak_bytes
+    with tracker.span() as span:
+        control.realised()
+    realised = tracker.peak_bytes > before
+    probe = watch.raised and tracker.peak_bytes == watch.peak_after
+    return probe, realised, max(watch.span_peak, span.peak_bytes)
 
 
 def measure_step_peak(cfg: Config, groups: ParallelGroups, *, vocab_size: int,
@@ -144,14 +190,16 @@ def measure_step_peak(cfg: Config, groups: ParallelGroups, *, vocab_size: int,
         _label_persistent(tracker, setup)
         persistent = tracker.live_bytes
         tracker.reset_peak()
-        realised = _step(cfg, setup, batch, groups, tracker)
+        probe, realised, probe_peak = _step(cfg, setup, batch, groups, tracker)
         report = tracker.report()
     return StepPeak(persistent_bytes=persistent, peak_bytes=report.peak_bytes,
                     peak_by_category=dict(report.peak_by_category),
-                    peak_in_realised_kl=realised)
+                    peak_in_realised_kl=realised, peak_in_kl_probe=probe,
+                    kl_probe_bytes=max(0, probe_peak - persistent) if probe_peak else 0)
 
 
 def as_dict(peak: StepPeak) -> dict[str, Any]:
     return {"persistent_bytes": peak.persistent_bytes, "peak_bytes": peak.peak_bytes,
             "peak_by_category": peak.peak_by_category,
-            "peak_in_realised_kl": peak.peak_in_realised_kl}
+            "peak_in_realised_kl": peak.peak_in_realised_kl,
+            "peak_in_kl_probe": peak.peak_in_kl_probe, "kl_probe_bytes": peak.kl_probe_bytes}

@@ -7,7 +7,7 @@
 2. **batching** (:mod:`.update_batches`): the step's sequences packed into token-budget rows
    balanced over DP (train.packing, the default) or padded to model.seq_length
    (:mod:`.batching`), with the reference and old log-probs over the same microbatches; the KL
-   probe set (the first responses of the global batch);
+   probe set (evenly spaced responses of the global batch);
 3. **policy update** (:mod:`.policy_update`): the preset's loss through Megatron's schedule, the
    rollout-vs-trainer gap on completed responses fed to the KL controller's mismatch term, one
    optimizer step (LoGRA predicts the KL of its update on the probe set and scales it), and the
@@ -183,7 +183,7 @@ class RLJob:
         if setup.kl_control is not None:
             padded = pad_to_length(scored.rollout, cfg.model.seq_length, self.encoder.pad_id)
             probe = rollout_probe_batch(padded, scored.share, cfg.logra.kl_control,
-                                        groups.device)
+                                        groups.device, global_size=len(scored.rewards))
         step_metrics = setup.step_metrics()
         updates = [
             update_policy(

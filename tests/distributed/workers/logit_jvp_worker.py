@@ -33,11 +33,13 @@ Measurements (all errors are relative Frobenius norms):
 from __future__ import annotations
 
 import hashlib
+import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from harness import Case, raised_errors, run_worker
+from kl_stream_steps import layout_steps, tp1_steps
 
 from megatron_logra.config import load_config
 from megatron_logra.kl import (
@@ -52,6 +54,7 @@ from megatron_logra.mcore.compat.forward_ad import (
     patched_function_names,
 )
 from megatron_logra.mcore.kl_probe.logit_jvp import LowRankDirection, logit_jvp
+from megatron_logra.mcore.kl_probe.stream import layout_pieces, output_layer_chunks, run_pieces
 from megatron_logra.mcore.models.gpt import build_model
 from megatron_logra.mcore.models.sharding import (
     full_shape,
@@ -60,6 +63,7 @@ from megatron_logra.mcore.models.sharding import (
     shard_from_full,
 )
 from megatron_logra.mcore.models.targets import TARGET_PATHS, find_targets
+from megatron_logra.probe_batch import ProbeBatch
 from megatron_logra.projection import generate_projection, projection_key
 from tests.layouts import LOGIT_JVP_LAYOUTS, WORKER_LAYOUTS, tp_sp
 from tests.presets import NARROW, tiny_gpt
@@ -71,6 +75,8 @@ TEMPERATURE = 0.8
 FD_STEPS = (1e-3, 1e-4)
 # Step used to compare the exact KL between the vocab-parallel and full forms.
 EXACT_KL_STEP = 0.05
+# Counted positions per output-layer chunk of the streamed probe here: several chunks per row.
+STREAM_CHUNK = 5
 
 CASES: dict[str, dict[str, Any]] = {
     "targets": {
@@ -261,6 +267,23 @@ def probe(model, targets, groups, case, dtype):
     )
 
 
+def streamed(model, targets, directions, tokens, position_ids, mask):
+    """The streamed probe's logits and tangent at the counted positions (rows in order): each
+    row a piece, the output layer in chunks of STREAM_CHUNK positions."""
+    pieces = layout_pieces(ProbeBatch.from_rows(tokens, position_ids, mask), multiple=1,
+                           align_group=None, same_lengths=False, device=tokens.device)
+    logits, tangents = [], []
+
+    def consume(index, final):
+        for z, dz in output_layer_chunks(final, chunk_positions=STREAM_CHUNK):
+            logits.append(z)
+            tangents.append(dz)
+
+    run_pieces([model], pieces, consume, pipeline=None, targets=targets, directions=directions,
+               holds_output=True)
+    return torch.cat(logits), torch.cat(tangents)
+
+
 def run_reference(args, cfg, groups) -> dict[str, Any]:
     report: dict[str, Any] = {"gradients": gradient_check(cfg, groups), "cases": {}}
     saved: dict[str, Any] = {}
@@ -276,6 +299,13 @@ def run_reference(args, cfg, groups) -> dict[str, Any]:
             )
             tag = "fp64" if dtype == torch.float64 else "fp32"
             entry[f"primal_identical_{tag}"] = identical
+            if not tangents:
+                stream_logits, stream_tangent = streamed(model, targets, directions, tokens,
+                                                         position_ids, mask)
+                entry[f"streamed_logits_rel_err_{tag}"] = rel_err(stream_logits,
+                                                                  result.logits[mask])
+                entry[f"streamed_tangent_rel_err_{tag}"] = rel_err(stream_tangent,
+                                                                   result.tangent[mask])
             kl = predicted_kl(
                 result.logits, result.tangent, temperature=TEMPERATURE, mask=mask,
                 vocab_size=VOCAB,
@@ -297,6 +327,17 @@ def run_reference(args, cfg, groups) -> dict[str, Any]:
                     fd_errors.append(rel_err(result.tangent, (plus - minus) / (2 * step)))
                 entry["fd_steps"] = list(FD_STEPS)
                 entry["fd_rel_err"] = fd_errors
+                if not tangents:
+                    # The streamed probe (LoGRA's route: target directions only).
+                    _, stream_tangent = streamed(model, targets, directions, tokens,
+                                                 position_ids, mask)
+                    entry["streamed_fd_rel_err"] = [
+                        rel_err(stream_tangent, ((perturbed_logits(
+                            model, targets, directions, tangents, tokens, position_ids, step)
+                            - perturbed_logits(model, targets, directions, tangents, tokens,
+                                               position_ids, -step)) / (2 * step))[mask])
+                        for step in FD_STEPS
+                    ]
                 entry["tangent_norm_over_logit_norm"] = float(
                     result.tangent.norm() / result.logits.norm()
                 )
@@ -308,6 +349,9 @@ def run_reference(args, cfg, groups) -> dict[str, Any]:
         report["cases"][name] = entry
     report["errors"] = error_paths(groups)
     torch.save(saved, args.out / "reference.pt")
+    start = time.perf_counter()
+    report["kl_stream"] = tp1_steps()
+    report["kl_stream_seconds"] = time.perf_counter() - start
     return report
 
 
@@ -413,6 +457,9 @@ def run_layouts(args, cfg, groups) -> dict[str, Any]:
                 )
             layout_report[name] = entry
         report["layouts"][layout] = layout_report
+    start = time.perf_counter()
+    report["kl_stream"] = layout_steps()
+    report["kl_stream_seconds"] = time.perf_counter() - start
     return report
 
 

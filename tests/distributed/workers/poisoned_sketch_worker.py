@@ -48,8 +48,8 @@ def measure(args, cfg, groups):
         chunk.zero_grad_buffer()
     setup.optimizer.zero_grad()
     batches = schedule.microbatches(0, dp_rank=0, dp_size=1, micro_batch_size=4)
-    control.set_batch(ProbeBatch(batches[0].tokens, batches[0].position_ids,
-                                 batches[0].loss_mask > 0))
+    control.set_batch(ProbeBatch.from_rows(batches[0].tokens, batches[0].position_ids,
+                                           batches[0].loss_mask > 0))
     forward_backward(setup.model_chunks, batches, _forward_step, seq_length=32,
                      micro_batch_size=4)
     before = {name: p.detach().clone() for chunk in setup.model_chunks

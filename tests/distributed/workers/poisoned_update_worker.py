@@ -106,8 +106,8 @@ def optimizer_stages(args, mode: str, groups):
             chunk.zero_grad_buffer()
         setup.optimizer.zero_grad()
         batches = schedule.microbatches(step, dp_rank=0, dp_size=1, micro_batch_size=4)
-        control.set_batch(ProbeBatch(batches[0].tokens, batches[0].position_ids,
-                                     batches[0].loss_mask > 0))
+        control.set_batch(ProbeBatch.from_rows(batches[0].tokens, batches[0].position_ids,
+                                               batches[0].loss_mask > 0))
         forward_backward(setup.model_chunks, batches, _forward_step, seq_length=32,
                          micro_batch_size=4)
 
