@@ -123,10 +123,11 @@ def test_bottom_right_causal_attention_and_its_gradients_equal_the_masked_refere
         assert _rel(mine.grad, reference.grad) < ATTENTION_REL_TOL_FP64
 
 
-@pytest.mark.parametrize("query_block", [1024, 4])  # one block; two, the second ragged
-def test_tangent_of_bottom_right_causal_attention_equals_the_reference_jvp(query_block,
+# Elements per block of the tangent rule: one block; one query row per block; ragged blocks.
+@pytest.mark.parametrize("block_elements", [2**24, 1, 300])
+def test_tangent_of_bottom_right_causal_attention_equals_the_reference_jvp(block_elements,
                                                                            monkeypatch):
-    monkeypatch.setattr(sdpa_forward_ad, "QUERY_BLOCK", query_block)
+    monkeypatch.setattr(sdpa_forward_ad, "BLOCK_ELEMENTS", block_elements)
     primals, tangents = _chunk_case(1)
     scale = HEAD_DIM**-0.5
     with torch.no_grad(), fwAD.dual_level():
