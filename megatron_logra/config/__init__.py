@@ -10,7 +10,8 @@ here imports torch.
 
 Sections: ``model`` and ``parallel`` (config/model.py); ``optimizer``, ``logra`` with
 ``logra.kl_control``, ``lora`` (config/optim.py); ``rl`` with ``sampling``, ``loss``,
-``advantages``, ``reward`` (and ``reward.math_verify``), ``eval`` (config/rl.py); ``rollout`` and ``sync`` (config/rollout.py); ``train``,
+``advantages``, ``reward`` (and ``reward.math_verify``), ``eval`` (config/rl.py) and
+``loss.correction`` (config/off_policy.py); ``rollout`` and ``sync`` (config/rollout.py); ``train``,
 ``data``, ``run``, ``checkpoint`` (config/run.py). The names of every choice (targets, direction
 rules, distributions, rewards, ...) are declared here once; the implementing modules map them.
 """
@@ -28,6 +29,7 @@ from megatron_logra.config.model import (
     ModelConfig,
     ParallelConfig,
 )
+from megatron_logra.config.off_policy import CORRECTIONS, CorrectionConfig
 from megatron_logra.config.optim import (
     DIRECTIONS,
     DISTRIBUTIONS,
@@ -55,7 +57,6 @@ from megatron_logra.config.rl import (
     LossConfig,
     MathVerifyConfig,
     PaperAdvantageConfig,
-    PaperLossConfig,
     RewardConfig,
     RLConfig,
     SamplingConfig,
@@ -79,7 +80,7 @@ from megatron_logra.config.run import (
 )
 
 __all__ = [
-    "ACTIVATIONS", "ATTENTIONS", "COMMANDS", "COMMAND_DEFAULTS", "DATA_FORMATS", "DEVICES",
+    "ACTIVATIONS", "ATTENTIONS", "COMMANDS", "CORRECTIONS", "COMMAND_DEFAULTS", "DATA_FORMATS", "DEVICES",
     "DIRECTIONS",
     "DISTRIBUTIONS", "FAILURE_POLICIES", "LOGRA_MODES", "LR_DECAY_STYLES", "MASTER_WEIGHTS",
     "NATIVE_OPTIMIZERS", "NORMALIZATIONS", "OPTIMIZERS", "PARAMS_DTYPES", "POSITION_EMBEDDINGS",
@@ -88,7 +89,7 @@ __all__ = [
     "AdvantagesConfig", "CheckpointConfig", "Config", "DataConfig", "EvalConfig",
     "GrpoLossConfig", "KLControlConfig", "LoGRAConfig", "LoRAConfig", "LossConfig",
     "MathVerifyConfig", "ModelConfig", "OptimizerConfig", "PaperAdvantageConfig",
-    "PaperLossConfig", "ParallelConfig", "RLConfig", "RewardConfig", "RolloutConfig", "RunConfig", "SyncConfig",
+    "CorrectionConfig", "ParallelConfig", "RLConfig", "RewardConfig", "RolloutConfig", "RunConfig", "SyncConfig",
     "SamplingConfig", "TrainConfig", "check_key", "config_from_dict", "load_config",
     "parse_override",
 ]

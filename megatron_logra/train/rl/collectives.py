@@ -1,4 +1,4 @@
-"""The collectives of an RL step, with explicit process groups: two over data parallelism, one
+"""The collectives of an RL step, with explicit process groups: three over data parallelism, one
 that hands rank 0's result (or its error) to every rank."""
 
 from __future__ import annotations
@@ -27,6 +27,16 @@ def replica_sum(values: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
         total.zero_()
     dist.all_reduce(total)
     return total
+
+
+def replica_max(values: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
+    """The largest of non-negative quantities held by the last pipeline stage, over the world
+    (the other ranks contribute 0)."""
+    top = values.clone().to(torch.float64)
+    if not groups.is_last_stage():
+        top.zero_()
+    dist.all_reduce(top, op=dist.ReduceOp.MAX)
+    return top
 
 
 def from_world_rank0(call: Callable[[], Any], what: str) -> Any:
