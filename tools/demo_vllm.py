@@ -1,7 +1,7 @@
 """The vLLM demo: RL with the rollout engine in its own process (vLLM), kept in step by low-rank
 policy sync, and the bytes it ships against a full refit.
 
-    make demo-vllm      (or: python tools/demo_vllm.py [--steps N] [--out DIR])
+    make demo-vllm      (or: python tools/demo_vllm.py [--steps N] [--out DIR] [--max-staleness N])
 
 A short RL run of the demo's model (``configs/demo_rl_cpu.yaml``: Llama-style, head width 32)
 from its random initialisation, through the real CLI on CPU: the trainer is 2 processes at
@@ -10,7 +10,9 @@ mode. At start the trainer writes its policy as a Hugging Face checkpoint for vL
 fully; after every update it ships per target layer the merged factor and the projection's seed
 (``sync.mode=low_rank``), and compares digests of every served weight with its own
 (``sync.check_interval=1``). It prints per step the bytes shipped, the bytes a full sync would
-have shipped, the sync time and the weight check, then a summary. Learning is ``make demo``'s
+have shipped, the sync time and the weight check, then a summary. ``--max-staleness 1``: vLLM
+generates each next batch while the trainer updates (``rollout.max_staleness``, docs/async.md);
+every step then also shows its batch's staleness and how long the trainer waited for vLLM. Learning is ``make demo``'s
 claim, not this one's: a few steps from a random start do not move accuracy.
 """
 
@@ -41,12 +43,13 @@ def print_sync(run_dir: Path) -> None:
     steps = [r for r in read_metrics(run_dir / "metrics.jsonl") if "sync_bytes" in r]
     print("\npolicy sync of the vLLM engine, per step (low-rank records vs a full refit)")
     print(f"{'step':>5} {'sync bytes':>12} {'full bytes':>12} {'ratio':>7} {'sync s':>8} "
-          f"{'weights equal':>14} {'reward':>7}")
+          f"{'weights equal':>14} {'reward':>7} {'staleness':>9} {'waited s':>9}")
     for r in steps:
         match = r.get("sync_weights_match")
         print(f"{r['step']:>5} {r['sync_bytes']:>12,} {r['sync_full_bytes']:>12,} "
               f"{r['sync_bytes'] / r['sync_full_bytes']:>7.4f} {r['sync_time_s']:>8.3f} "
-              f"{'-' if match is None else str(match):>14} {r['reward']:>7.3f}")
+              f"{'-' if match is None else str(match):>14} {r['reward']:>7.3f} "
+              f"{r['staleness']:>9} {r['trainer_idle_s']:>9.3f}")
     # The full sync at start ran before step 0's evaluation (the run's log has it); every step
     # here shipped low-rank records and the changed non-targets.
     later = steps
@@ -66,12 +69,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10, help="RL steps (train.steps)")
     parser.add_argument("--out", type=Path, default=OUT_DIR, help="the run directory")
+    parser.add_argument("--max-staleness", type=int, default=0,
+                        help="rollout.max_staleness: 1 generates each next batch while the "
+                             "trainer updates")
     args = parser.parse_args()
     started = time.perf_counter()
     ensure_dataset()
     run_dir = args.out.resolve()
     _torchrun("rl", [f"data.dir={DATA_DIR}", *OVERRIDES, f"train.steps={args.steps}",
-                     f"run.dir={run_dir}"],
+                     f"rollout.max_staleness={args.max_staleness}", f"run.dir={run_dir}"],
               "RL with LoGRA, rollouts from a separate vLLM engine, low-rank sync")
     print_sync(run_dir)
     print(f"\ndemo wall time {time.perf_counter() - started:.0f} s")

@@ -17,9 +17,10 @@ queue keeps that order and nothing else: it never reorders, merges or drops a ca
   has the engine's own timeout (``rollout.request_timeout_s``; a dead process fails it at once),
   and a waiter also gives up when the call it waits behind has run for twice that long.
 
-Inline (``background=False``), a call runs in the caller's thread as it is submitted: exactly the
-synchronous loop, with the same accounting. In the background, one daemon thread makes the calls;
-it is the only thread that touches the engine until :meth:`EngineQueue.close`.
+Inline (``background=False``), the calls run in the caller's thread, in order, when it waits for
+one of them (a posted call: at once): exactly the synchronous loop, with the same accounting. In
+the background, one daemon thread makes the calls; it is the only thread that touches the engine
+until :meth:`EngineQueue.close`.
 
 The queue also keeps the clock of the two sides: when the engine was busy (each call's start and
 end, as its caller sees them) and how long the caller waited for it.
@@ -27,6 +28,7 @@ end, as its caller sees them) and how long the caller waited for it.
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
@@ -90,6 +92,7 @@ class EngineQueue:
         self.waited_s = 0.0
         """Total time callers spent waiting for the engine (inline calls included)."""
         self._pending: queue.SimpleQueue[Ticket | None] = queue.SimpleQueue()
+        self._inline: collections.deque[Ticket] = collections.deque()  # not yet run (inline)
         self._thread: threading.Thread | None = None
         if background:
             self._thread = threading.Thread(target=self._serve, name="rollout-engine-calls",
@@ -99,11 +102,13 @@ class EngineQueue:
     # ------------------------------------------------------------------ calls
 
     def submit(self, op: str, *args: Any, **kwargs: Any) -> Ticket:
-        """Queue ``engine.<op>(*args, **kwargs)``; never raises (errors come from :meth:`wait`)."""
+        """Queue ``engine.<op>(*args, **kwargs)``; never raises (errors come from :meth:`wait`),
+        never waits."""
         return self._enqueue(Ticket(op, lambda: getattr(self.engine, op)(*args, **kwargs)))
 
     def post(self, op: str, *args: Any, **kwargs: Any) -> None:
-        """Queue a call nobody waits for; inline it runs now and raises as a plain call would."""
+        """Queue a call nobody waits for; inline it runs now (after the calls queued before it)
+        and raises as a plain call would."""
         ticket = self.submit(op, *args, **kwargs)
         if not self.background:
             self.wait(ticket)
@@ -112,11 +117,13 @@ class EngineQueue:
         """The call's result; its error, or the error of a call before it that failed."""
         start = time.perf_counter()
         try:
+            if not self.background:
+                while not ticket.done.is_set():
+                    self._run(self._inline.popleft())
             while not ticket.done.wait(LIVENESS_POLL_S):
                 self._check_progress(ticket)
         finally:
-            if self.background:
-                self.waited_s += time.perf_counter() - start
+            self.waited_s += time.perf_counter() - start
         if ticket.error is not None:
             self._failure_seen = True
             raise ticket.error
@@ -147,21 +154,24 @@ class EngineQueue:
     def close(self) -> None:
         """Stop the thread (after the running call, or under it after a short wait: the engine's
         close then fails that call) and close the engine. Queued calls are dropped."""
+        dropped = list(self._inline)
+        self._inline.clear()
         if self._thread is not None:
-            dropped = 0
             while True:
                 try:
                     ticket = self._pending.get_nowait()
                 except queue.Empty:
                     break
                 if ticket is not None:
-                    dropped += 1
-                    ticket.error = EngineError("the rollout engine was closed before this call")
-                    ticket.done.set()
+                    dropped.append(ticket)
             self._pending.put(None)
+        for ticket in dropped:
+            ticket.error = EngineError("the rollout engine was closed before this call")
+            ticket.done.set()
+        if dropped:
+            logger.info("closing the rollout engine: %d queued call(s) dropped", len(dropped))
+        if self._thread is not None:
             self._thread.join(_CLOSE_WAIT_S)
-            if dropped:
-                logger.info("closing the rollout engine: %d queued call(s) dropped", dropped)
         if self._failure is not None and not self._failure_seen:
             logger.error("a rollout engine call failed and nothing waited for it: %s",
                          self._failure)
@@ -176,9 +186,7 @@ class EngineQueue:
         if self.background:
             self._pending.put(ticket)
         else:
-            start = time.perf_counter()
-            self._run(ticket)
-            self.waited_s += time.perf_counter() - start
+            self._inline.append(ticket)
         return ticket
 
     def _serve(self) -> None:

@@ -27,6 +27,8 @@ NUM_STEPS, CHECKPOINT_AT = 4, 2
 # tokens' log-probs by ~1e-3, 100x more.
 LOGPROB_TOLERANCE = 1e-5
 DRIFT_OVER_TOLERANCE = 10
+# The project's bound for an estimate against its measurement.
+ESTIMATE_TOLERANCE = 0.10
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +79,16 @@ def test_under_staleness_the_mismatch_term_is_the_engine_gap_plus_the_policy_dri
         else:
             # Not numerics: the trained version's log-probs of these tokens moved per token.
             assert check["engine_vs_trained_version"] > DRIFT_OVER_TOLERANCE * LOGPROB_TOLERANCE
+
+
+def test_one_versions_sync_records_are_what_the_in_flight_estimate_says_within_10_percent(
+        async_run):
+    """What waits for the engine per version in flight (megatron_logra/memory/in_flight.py):
+    the low-rank records one step ships, headers included."""
+    estimate = async_run["estimated_in_flight"]["sync_bytes"]
+    for record in async_run["steps"]:
+        assert abs(record["sync_bytes"] / estimate - 1.0) <= ESTIMATE_TOLERANCE, \
+            (record["sync_bytes"], estimate)
 
 
 def test_a_checkpoint_with_a_batch_in_flight_resumes_exactly(async_run):

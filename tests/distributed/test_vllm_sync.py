@@ -9,8 +9,9 @@ than their trainer's:
   rollout.engine=vllm``): library mode, fp32, weight decay, a TP=2 trainer (column-parallel
   rows, fc1's [gate_t; up_t], row-parallel column slices; Adam's non-targets shipped dense) ->
   vLLM TP=1, started from the Hugging Face checkpoint the trainer writes, fully synced at start,
-  low-rank synced after every update and checked after every step; then resumed from its
-  step-1 checkpoint with a new engine, continuing it exactly;
+  low-rank synced after every update and checked after every step, generating each next batch
+  while the trainer updates (``rollout.max_staleness=1``); then resumed from its step-1
+  checkpoint (the next batch in flight, stored in it) with a new engine, continuing it exactly;
 * a trainer job (tests/distributed/workers/vllm_sync_worker.py, 2 processes, 4 LoGRA updates)
   in paper mode, bf16 weights with fp32 masters, DP=2, which writes the checkpoint and the
   stream of wire records it would send -> vLLM TP=2 (its own sharding), fed that stream here
@@ -77,7 +78,9 @@ RL_STEPS = 3
 # [q; k; v], and TP=2 splits whole groups); library mode with weight decay, so every kind of
 # record travels. Every step's weights are checked (sync.check_interval=1). Sampling at T = 0.7:
 # pi_rollout is log softmax(z / T), which vLLM reports only in its processed_logprobs mode (its
-# default gave a mean gap of -1.4e-2 here, 1000x the tolerance).
+# default gave a mean gap of -1.4e-2 here, 1000x the tolerance). vLLM generates each next batch
+# while the trainer updates (rollout.max_staleness=1): batches 1 and 2 come from version 0, batch
+# 3 from version 1.
 RL_OVERRIDES = [
     "parallel.tp=2", "model.hidden_size=128", "model.ffn_hidden_size=256",
     "model.num_query_groups=2", *SWIGLU_RMSNORM_NO_BIAS, "model.params_dtype=fp32",
@@ -87,6 +90,7 @@ RL_OVERRIDES = [
     "rl.eval.interval=0", "rl.eval.prompts=8", "rl.eval.samples=2",
     "logra.kl_control.probe_responses=4", "rollout.placement=separate", "rollout.engine=vllm",
     "rollout.tp=1", "sync.check_interval=1", "rollout.start_timeout_s=900",
+    "rollout.max_staleness=1",
 ]
 
 
@@ -177,11 +181,14 @@ def test_rl_run_with_a_tp1_vllm_engine_checks_its_weights_equal_to_the_tp2_train
 
 def test_rl_run_vllm_rollout_logprobs_at_temperature_agree_with_the_trainers_recomputation(
         rl_run_with_tp1_vllm_engine):
-    # On policy, log pi_rollout (vLLM's sampling log-probs at T = 0.7) - log pi_trainer (the
-    # TP=2 trainer's recomputation of the same tokens at T) averaged over every generated token
-    # of the step (measured 3.0e-8 and -1.8e-8).
-    for r in rl_run_with_tp1_vllm_engine:
-        assert abs(r["logprob_gap_all_tokens"]) <= LOGPROB_TOL["float32"]
+    # On policy (step 1's batch; the later ones are one version stale), log pi_rollout (vLLM's
+    # sampling log-probs at T = 0.7) - log pi_trainer (the TP=2 trainer's recomputation of the
+    # same tokens at T) averaged over every generated token of the step (measured 3.0e-8 and
+    # -1.8e-8).
+    steps = rl_run_with_tp1_vllm_engine
+    assert [r["batch_version"] for r in steps] == [0, 0, 1]
+    assert [r["staleness"] for r in steps] == [0, 1, 1]
+    assert abs(steps[0]["logprob_gap_all_tokens"]) <= LOGPROB_TOL["float32"]
 
 
 def test_resumed_rl_run_resyncs_a_fresh_vllm_engine_and_continues_the_uninterrupted_run(
@@ -200,6 +207,9 @@ def test_resumed_rl_run_resyncs_a_fresh_vllm_engine_and_continues_the_uninterrup
     not compared."""
     full, resumed = rl_run_with_tp1_vllm_engine, resumed_rl_run_with_tp1_vllm_engine
     assert [r["step"] for r in resumed] == list(range(1, RL_STEPS + 1))
+    # Batch 2 was in flight at the step-1 checkpoint: the resumed job trains on the stored batch
+    # (version 0, from the first engine), not on one generated again by the new engine.
+    assert resumed[RESUME_AT]["batch_version"] == 0
     for want, got in zip(full[RESUME_AT:], resumed[RESUME_AT:], strict=True):
         assert got["sync_weights_match"] is True
         assert 0 < got["sync_bytes"] < got["sync_full_bytes"]

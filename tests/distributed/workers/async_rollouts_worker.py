@@ -6,7 +6,8 @@ Paper-mode LoGRA with the KL step control, weights checked after every step
 (``sync.check_interval=1``). Records:
 
 * ``steps``: the records of ``--steps`` steps of job A, run as the training loop runs them (a
-  checkpoint saved after step ``--checkpoint-at``, while the next batch is in flight);
+  checkpoint saved after step ``--checkpoint-at``, while the next batch is in flight), and
+  ``estimated_in_flight``: what the memory estimate says one version in flight holds;
 * ``versions``: for each step's batch, the per-token gap between the engine's log-probs and the
   trainer's recomputation with the weights of the batch's version, and of the version after it
   (snapshots of the trainer's weights after every step), and the mean of ``log pi_version -
@@ -20,6 +21,7 @@ Paper-mode LoGRA with the KL step control, weights checked after every step
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -35,6 +37,8 @@ from megatron_logra.mcore import (
 )
 from megatron_logra.mcore.models.sharding import global_named_parameters
 from megatron_logra.mcore.models.sync_state import served_weights
+from megatron_logra.memory.in_flight import in_flight_bytes
+from megatron_logra.memory.shapes import shape_from_model_config
 from megatron_logra.rl.losses import rollout_mismatch_sums
 from megatron_logra.rl.rollout import SamplingParams
 from megatron_logra.sync.checksum import weight_checksums
@@ -174,6 +178,12 @@ def measure(args, cfg, groups):
                                 extra_common=job.checkpoint_state())
         final = weight_checksums(served_weights(job.setup.model_chunks, groups).items())
         report["steps"] = records
+        report["estimated_in_flight"] = dataclasses.asdict(in_flight_bytes(
+            shape_from_model_config(cfg.model, vocab_size=job.vocab_size), max_staleness=1,
+            sequences=cfg.rl.global_batch, response_tokens=cfg.rl.sampling.max_new_tokens,
+            sync_mode="low_rank", wire_dtype=cfg.sync.wire_dtype,
+            params_dtype=cfg.model.params_dtype, targets=tuple(cfg.logra.targets),
+            sketch_rank=cfg.logra.sketch_rank, dense_non_targets=False))
         report["versions"] = [_version_check(job, step, taken[step], snapshots, groups)
                               for step in sorted(taken)]
         _load(job, snapshots[args.steps])
