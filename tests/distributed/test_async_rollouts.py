@@ -5,9 +5,11 @@ batch's drift, a checkpoint with a batch in flight resumes exactly, and a dead e
 run with its error.
 
 One torchrun job (tests/distributed/workers/async_rollouts_worker.py): a DP=2 trainer at TP=1,
-the Megatron engine at TP=1 in its own process, paper-mode LoGRA with the KL step control, 4
-steps with a checkpoint after step 2 (batch 3 in flight); then a new job and engine resumed from
-it; then the engine killed while it generates.
+the Megatron engine at TP=1 in its own process (the records' tensors broadcast to it from the
+thread that calls it, ``sync.transport=collective``), paper-mode LoGRA with the KL step
+control, 4 steps with a checkpoint after step 2 (batch 3 in flight); then a new job and engine
+resumed from it; then the engine killed while it generates. (vLLM one step off policy:
+tests/distributed/test_vllm_sync.py's RL run.)
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@ resume with a batch in flight, and an engine killed mid-generation (run with tor
 processes: the trainer at DP=2, TP=1; the Megatron engine at TP=1 in a process of its own).
 
 Paper-mode LoGRA with the KL step control, weights checked after every step
-(``sync.check_interval=1``). Records:
+(``sync.check_interval=1``), the records' tensors broadcast to the engine
+(``sync.transport=collective``). Records:
 
 * ``steps``: the records of ``--steps`` steps of job A, run as the training loop runs them (a
   checkpoint saved after step ``--checkpoint-at``, while the next batch is in flight), and
@@ -62,6 +63,9 @@ def cfg_for(args, world: int):
         "rl.eval.prompts=4", "rl.eval.samples=1", "rl.eval.interval=0",
         "logra.kl_control.probe_responses=4", "rollout.placement=separate", "rollout.tp=1",
         "rollout.max_staleness=1", "rollout.start_timeout_s=300", "sync.check_interval=1",
+        # The records' tensor bytes broadcast from the thread that calls the engine (the vLLM
+        # RL test runs one step off policy over the rpc transport).
+        "sync.transport=collective",
         f"data.dir={args.data}", f"run.dir={args.out / 'run'}",
     ]
     return load_config(RL_CONFIG, overrides, command="rl").resolved(world, "rl")
