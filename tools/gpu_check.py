@@ -93,7 +93,7 @@ MEMORY_MODEL = ["--layers", "16", "--hidden", "2048", "--heads", "16", "--ffn", 
                 "--sketch-rank", "256"]
 MERGE_SHAPES = ((4096, 4096), (28672, 4096))  # a square projection; a 7B-sized fused fc1
 # Seconds each section may run; together 470 s, so these four stay under 8 minutes (the sync
-# sections have their own budgets, 390 s: tools/gpu_check_sync.py).
+# sections have their own budgets, 440 s: tools/gpu_check_sync.py).
 # memory gets most: bench_methods starts 4 processes, and the model's layout-invariant
 # initialisation draws every full weight from a CPU generator (1e9 normals per model).
 BUDGET_S = {"tp_parity": 130, "te_spec": 70, "memory": 240, "master_merge": 30,
