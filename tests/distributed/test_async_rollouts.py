@@ -104,6 +104,10 @@ def test_a_checkpoint_with_a_batch_in_flight_resumes_exactly(async_run):
     assert resumed["final_weights_equal"]
 
 
+def test_rollout_cpus_pins_the_engine_process_to_its_core(async_run):
+    assert async_run["engine_cores"] == [async_run["pinned_core"]]
+
+
 def test_an_engine_killed_mid_generation_ends_the_wait_with_its_exit(async_run):
     dead = async_run["dead_engine"]
     assert dead["answered_before_kill"] is False

@@ -4,7 +4,8 @@ processes: the trainer at DP=2, TP=1; the Megatron engine at TP=1 in a process o
 
 Paper-mode LoGRA with the KL step control, weights checked after every step
 (``sync.check_interval=1``), the records' tensors broadcast to the engine
-(``sync.transport=collective``). Records:
+(``sync.transport=collective``), the engine pinned to the last core (``rollout.cpus``). Records
+``engine_cores`` (the engine process's affinity) and:
 
 * ``steps``: the records of ``--steps`` steps of job A, run as the training loop runs them (a
   checkpoint saved after step ``--checkpoint-at``, while the next batch is in flight), and
@@ -23,6 +24,7 @@ Paper-mode LoGRA with the KL step control, weights checked after every step
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 
 import torch
@@ -53,6 +55,7 @@ RL_CONFIG = REPO / "configs" / "demo_rl_cpu.yaml"
 # The large generation the engine is killed in: long enough to be under way when the kill
 # comes (the kill waits until the request was sent, then this long).
 KILL_PROMPTS, KILL_TOKENS, KILL_AFTER_S = 512, 16, 0.2
+ENGINE_CORE = max(os.sched_getaffinity(0))
 NOT_COMPARED = ("mem_bytes", "tokens_per_s", "state_bytes", "host_state_bytes")
 
 
@@ -66,6 +69,8 @@ def cfg_for(args, world: int):
         # The records' tensor bytes broadcast from the thread that calls the engine (the vLLM
         # RL test runs one step off policy over the rpc transport).
         "sync.transport=collective",
+        # The engine on a core of its own: the machine's last one.
+        f"rollout.cpus=[{ENGINE_CORE}]",
         f"data.dir={args.data}", f"run.dir={args.out / 'run'}",
     ]
     return load_config(RL_CONFIG, overrides, command="rl").resolved(world, "rl")
@@ -167,6 +172,10 @@ def measure(args, cfg, groups):
     job = RLJob(cfg, groups)
     taken: dict = {}
     try:
+        def affinity() -> list[int]:
+            return sorted(os.sched_getaffinity(job.separate_engine._procs.members[0].process.pid))
+        report["engine_cores"] = from_world_rank0(affinity, "engine affinity")
+        report["pinned_core"] = ENGINE_CORE
         _record_takes(job, taken)
         job.initial_records(0)
         snapshots = {0: _weights(job)}
