@@ -42,6 +42,8 @@ $(VLLM_STAMP): pyproject.toml
 	# megatron_logra with --no-deps (vLLM's own pins stay): its entry point registers our plugin
 	# (megatron_logra.vllm_plugin), which needs only torch and our torch-only sync code.
 	$(VLLM_VENV)/bin/pip install --quiet --no-deps -e .
+	# sync.mode=delta's compressor (vLLM does not bring it); the version of requirements.lock.
+	$(VLLM_VENV)/bin/pip install --quiet $$(grep '^zstandard==' requirements.lock)
 	# The plugin was once a distribution of its own: a venv built then still registers it.
 	$(VLLM_VENV)/bin/pip uninstall --quiet -y megatron-logra-vllm 2>/dev/null || true
 	@touch $(VLLM_STAMP)
@@ -59,6 +61,7 @@ $(VLLM_CUDA_VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VLLM_CUDA_VENV)
 	$(VLLM_CUDA_VENV)/bin/pip install --quiet $(VLLM_CUDA_PACKAGE)
 	$(VLLM_CUDA_VENV)/bin/pip install --quiet --no-deps -e .
+	$(VLLM_CUDA_VENV)/bin/pip install --quiet $$(grep '^zstandard==' requirements.lock)
 	@touch $@
 
 demo: $(STAMP)

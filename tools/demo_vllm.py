@@ -10,10 +10,14 @@ mode. At start the trainer writes its policy as a Hugging Face checkpoint for vL
 fully; after every update it ships per target layer the merged factor and the projection's seed
 (``sync.mode=low_rank``), and compares digests of every served weight with its own
 (``sync.check_interval=1``). It prints per step the bytes shipped, the bytes a full sync would
-have shipped, the sync time and the weight check, then a summary. ``--max-staleness 1``: vLLM
-generates each next batch while the trainer updates (``rollout.max_staleness``, docs/async.md);
-every step then also shows its batch's staleness and how long the trainer waited for vLLM. Learning is ``make demo``'s
-claim, not this one's: a few steps from a random start do not move accuracy.
+have shipped, the sync time and the weight check, then a summary. A second run of the same
+seed with ``sync.mode=delta`` (the XOR of vLLM's served weights against the trainer's,
+zstd-compressed: the field's sparse refit; ``--delta-steps 0`` skips it) then prints its bytes
+per step beside the low-rank and full bytes (``tools/bench_sync_modes.py`` compares the modes on
+the very same updates). ``--max-staleness 1``: vLLM generates each next batch while the trainer
+updates (``rollout.max_staleness``, docs/async.md), in both runs; every step then also shows its
+batch's staleness and how long the trainer waited for vLLM. Learning is ``make demo``'s claim,
+not this one's: a few steps from a random start do not move accuracy.
 """
 
 from __future__ import annotations
@@ -65,10 +69,30 @@ def print_sync(run_dir: Path) -> None:
         raise SystemExit("the vLLM engine's weights differed from the trainer's")
 
 
+def print_delta(low_rank_dir: Path, delta_dir: Path) -> None:
+    low_rank = [r for r in read_metrics(low_rank_dir / "metrics.jsonl") if "sync_bytes" in r]
+    delta = [r for r in read_metrics(delta_dir / "metrics.jsonl") if "sync_bytes" in r]
+    print("\nthe same demo with sync.mode=delta (XOR of the served weights, zstd), per step")
+    print(f"{'step':>5} {'low-rank B':>12} {'delta B':>12} {'changed':>8} {'full B':>12} "
+          f"{'weights equal':>14}")
+    for lr, d in zip(low_rank, delta, strict=False):
+        print(f"{d['step']:>5} {lr['sync_bytes']:>12,} {d['sync_bytes']:>12,} "
+              f"{d.get('sync_changed_fraction', 0):>8.2%} {d['sync_full_bytes']:>12,} "
+              f"{str(d.get('sync_weights_match', '-')):>14}")
+    print(f"\nmedian bytes per step: low-rank "
+          f"{statistics.median(r['sync_bytes'] for r in low_rank):,.0f}, delta "
+          f"{statistics.median(r['sync_bytes'] for r in delta):,.0f}, full "
+          f"{delta[0]['sync_full_bytes']:,}")
+    if not all(r.get("sync_weights_match", True) for r in delta):
+        raise SystemExit("the delta-synced vLLM engine's weights differed from the trainer's")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10, help="RL steps (train.steps)")
     parser.add_argument("--out", type=Path, default=OUT_DIR, help="the run directory")
+    parser.add_argument("--delta-steps", type=int, default=None,
+                        help="steps of the sync.mode=delta run (default: --steps; 0: skip it)")
     parser.add_argument("--max-staleness", type=int, default=0,
                         help="rollout.max_staleness: 1 generates each next batch while the "
                              "trainer updates")
@@ -80,6 +104,14 @@ def main() -> None:
                      f"rollout.max_staleness={args.max_staleness}", f"run.dir={run_dir}"],
               "RL with LoGRA, rollouts from a separate vLLM engine, low-rank sync")
     print_sync(run_dir)
+    delta_steps = args.steps if args.delta_steps is None else args.delta_steps
+    if delta_steps:
+        delta_dir = run_dir.with_name(run_dir.name + "_delta")
+        _torchrun("rl", [f"data.dir={DATA_DIR}", *OVERRIDES, "sync.mode=delta",
+                         f"train.steps={delta_steps}",
+                         f"rollout.max_staleness={args.max_staleness}", f"run.dir={delta_dir}"],
+                  "the same with sync.mode=delta")
+        print_delta(run_dir, delta_dir)
     print(f"\ndemo wall time {time.perf_counter() - started:.0f} s")
 
 

@@ -64,11 +64,14 @@ def _sync_figures(steps: list[dict[str, Any]]) -> dict[str, Any]:
     return {"steps": len(steps), "weights_match": [r.get("sync_weights_match") for r in steps],
             "sync_bytes_median": statistics.median(r["sync_bytes"] for r in steps),
             "sync_time_s_median": statistics.median(r["sync_time_s"] for r in steps),
-            "sync_full_bytes": steps[-1]["sync_full_bytes"]}
+            "sync_full_bytes": steps[-1]["sync_full_bytes"],
+            "sync_modes": sorted({r.get("sync_mode", "?") for r in steps})}
 
 
 def sync_megatron(out: Path) -> dict[str, Any]:
-    """The Megatron engine on GPU 1 kept equal to a GPU-0 trainer by low-rank sync over NCCL."""
+    """The Megatron engine on GPU 1 kept equal to a GPU-0 trainer over NCCL by low-rank sync (a
+    CUDA trainer's records, issue 21 item 1; the engine replays on its GPU), by delta sync
+    (XOR + zstd) and by full sync."""
     require(gpus_missing(2), nccl_missing())
     deadline = time.monotonic() + BUDGET_S["sync_megatron"]
     data = synthetic_data(out, deadline)
@@ -78,7 +81,7 @@ def sync_megatron(out: Path) -> dict[str, Any]:
             "rollout.tp=1", "rollout.devices=[1]", "sync.transport=collective",
             "sync.check_interval=1"]
     figures: dict[str, Any] = {"channel": "nccl", "trainer_device": 0, "engine_device": 1}
-    for mode in ("low_rank", "full"):
+    for mode in ("low_rank", "delta", "full"):
         steps = _rl_steps([*base, f"sync.mode={mode}"], out / "sync_megatron" / mode, deadline)
         if not steps:
             raise SectionFailed(f"the {mode} run logged no step with sync metrics", figures)
@@ -95,7 +98,9 @@ def sync_megatron(out: Path) -> dict[str, Any]:
     low, full = figures["low_rank"], figures["full"]
     figures["full_over_low_rank_bytes"] = full["sync_bytes_median"] / low["sync_bytes_median"]
     figures["full_over_low_rank_time"] = full["sync_time_s_median"] / low["sync_time_s_median"]
-    unmatched = [mode for mode in ("low_rank", "full", "low_rank_staleness1")
+    figures["delta_over_low_rank_bytes"] = (figures["delta"]["sync_bytes_median"]
+                                            / low["sync_bytes_median"])
+    unmatched = [mode for mode in ("low_rank", "delta", "full", "low_rank_staleness1")
                  if not all(m is True for m in figures[mode]["weights_match"])]
     if unmatched:
         raise SectionFailed(f"the engine's weights differed from the trainer's after a step of "
@@ -151,7 +156,8 @@ def figure_line(section: str, f: dict[str, Any]) -> str:
         return (f"  {f['channel']}: low-rank {low['sync_bytes_median'] / 1e6:.3f} MB "
                 f"{low['sync_time_s_median'] * 1e3:.1f} ms/step vs full "
                 f"{full['sync_bytes_median'] / 1e6:.3f} MB {full['sync_time_s_median'] * 1e3:.1f}"
-                f" ms/step; weights equal every step: {all(low['weights_match'])}")
+                f" ms/step; delta {f['delta']['sync_bytes_median'] / 1e6:.3f} MB; weights equal "
+                f"every step: {all(low['weights_match'])}")
     if section == "vllm" and "low_rank" in f:
         low, full = f["low_rank"], f["full"]
         return (f"  {f['channel']}: low-rank {low['bytes_per_update'] / 1e6:.1f} MB "

@@ -11,8 +11,12 @@ PLACEMENTS: tuple[str, ...] = ("colocated", "separate")
 """colocated: the trainer's ranks sample with their own weights (nothing to sync); separate: an
 engine in its own processes, with its own TP size, kept in step by policy sync."""
 ENGINES: tuple[str, ...] = ("megatron", "vllm")
-SYNC_MODES: tuple[str, ...] = ("auto", "low_rank", "full")
-"""auto: low_rank for LoGRA, full for every other optimizer (their updates are dense)."""
+SYNC_MODES: tuple[str, ...] = ("auto", "low_rank", "delta", "full")
+"""auto: low_rank for LoGRA (delta where the engine cannot replay merges on the trainer's kind
+of device: megatron_logra/sync/replay_device.py), full for every other optimizer."""
+ENGINE_START_TIMEOUT_S = 900.0
+"""vLLM's start was measured at 24-39 s on a quiet 2-core machine and 156-315 s on a loaded one
+(docs/vllm.md); 900 s is well above both (a too short default killed healthy starts)."""
 SYNC_WIRE_DTYPES: tuple[str, ...] = ("fp32", "bf16")
 SYNC_TRANSPORTS: tuple[str, ...] = ("rpc", "collective")
 """rpc: each record's bytes over the engine's control channel (re-sent by a multi-rank engine
@@ -30,7 +34,7 @@ class RolloutConfig:
     """The separate engine: the built-in Megatron sampler in its own processes, or vLLM."""
     tp: int = 1
     """The separate engine's own tensor-parallel size (independent of parallel.tp)."""
-    start_timeout_s: float = 300.0
+    start_timeout_s: float = ENGINE_START_TIMEOUT_S
     """A separate engine that has not answered this long after its launch is an error."""
     request_timeout_s: float = 600.0
     """One request to a separate engine (a generate, a sync record) that takes longer is an
@@ -97,7 +101,8 @@ class SyncConfig:
 
     mode: str = "auto"
     """low_rank: per target the merged factor and the projection's seed after every update,
-    changed non-targets dense; full: every weight after every update (the baseline)."""
+    changed non-targets dense; delta: the XOR of the served weights' bits against the engine's,
+    zstd-compressed, any optimizer; full: every weight after every update (the baseline)."""
     wire_dtype: str = "fp32"
     """dtype of the low-rank factors and dense values on the wire; bf16 is exact only for paper
     mode with logra.update_factor_dtype=bf16 (library mode merges fp32 factors)."""

@@ -9,8 +9,9 @@ world rank 0, which owns the engine's queue:
   unpickles them, Python lists of token ids and log-probs (:data:`PY_BYTES_PER_TOKEN`);
 * the sync records of the versions the engine has not applied yet (at most N, queued behind its
   generations): per version the low-rank factors ``U [m, r]`` of every target in the wire dtype
-  and the trainable non-targets dense (library mode), or with ``sync.mode=full`` the whole
-  exact state (fp32 masters of the targets, the rest in its own dtype).
+  and the trainable non-targets dense (library mode); with ``sync.mode=full`` every served
+  weight in its own dtype; with ``sync.mode=delta`` their XOR, compressed -- at most that (its
+  size depends on how many bits changed: docs/sync.md), which is what is counted.
 """
 
 from __future__ import annotations
@@ -82,17 +83,17 @@ def in_flight_bytes(shape: ModelShape, *, max_staleness: int, sequences: int,
     Args:
         sequences: responses per step (rl.prompts_per_step x rl.samples_per_prompt).
         response_tokens: tokens per response (rl.sampling.max_new_tokens bounds it).
-        sync_mode: ``low_rank`` or ``full`` (resolved).
+        sync_mode: ``low_rank``, ``delta`` or ``full`` (resolved).
         dense_non_targets: whether the non-targets train (library mode) and ship dense.
     """
     batch = sequences * (response_tokens * PY_BYTES_PER_TOKEN + PY_BYTES_PER_RESPONSE)
-    target_params = _target_parameters(shape, targets)
-    others = shape.total_parameters() - target_params
-    if sync_mode == "full":
-        sync = 4 * target_params + PARAMS_BYTES[params_dtype] * others
+    if sync_mode in ("full", "delta"):
+        # The served weights (a delta: their compressed XOR, at most as large).
+        sync = PARAMS_BYTES[params_dtype] * shape.total_parameters()
     elif sync_mode == "low_rank":
+        others = shape.total_parameters() - _target_parameters(shape, targets)
         sync = WIRE_BYTES[wire_dtype] * (_target_factor_elements(shape, targets, sketch_rank)
                                          + (others if dense_non_targets else 0))
     else:
-        raise ValueError(f"sync_mode={sync_mode!r} is not low_rank or full")
+        raise ValueError(f"sync_mode={sync_mode!r} is not low_rank, delta or full")
     return InFlightBytes(max_staleness=max_staleness, batch_bytes=batch, sync_bytes=sync)

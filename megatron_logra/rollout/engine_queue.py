@@ -244,6 +244,11 @@ class QueuedEngine:
         return self.calls.engine.weight_layout
 
     @property
+    def replay_device(self) -> str:
+        """Where the engine replays low-rank merges (fixed at its start)."""
+        return self.calls.engine.replay_device
+
+    @property
     def transport_stats(self) -> Any:
         return getattr(self.calls.engine, "transport_stats", None)
 

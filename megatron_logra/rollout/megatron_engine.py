@@ -166,7 +166,9 @@ class MegatronEngine:
             disable_nagle(conn)
             self._rpc = RpcClient(self._procs, conn, conn,
                                   timeout_knob="rollout.request_timeout_s")
-        self.info = self._call("hello", {"protocol": ENGINE_PROTOCOL},
+        merge_device = channel_device(self.cfg.parallel.device).type
+        self.info = self._call("hello", {"protocol": ENGINE_PROTOCOL,
+                                         "merge_device": merge_device},
                                timeout_s=ro.start_timeout_s)
         if self.info.get("protocol") != ENGINE_PROTOCOL:
             self.close()
@@ -202,6 +204,11 @@ class MegatronEngine:
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
+
+    @property
+    def replay_device(self) -> str:
+        """The device kind the engine replays low-rank merges on (after ``start``)."""
+        return self.info["replay_device"]
 
     # ------------------------------------------------------------------ the protocol
 

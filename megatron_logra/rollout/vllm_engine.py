@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from megatron_logra.config.rollout import ENGINE_START_TIMEOUT_S
 from megatron_logra.rollout.collective_sync import CollectiveSender, TransportStats, channel_device
 from megatron_logra.rollout.placement import engine_device_env, pin_to_cpus
 from megatron_logra.rollout.rpc import EngineError, EngineProcesses, RpcClient
@@ -27,9 +28,7 @@ from megatron_logra.sync.checksum import mismatched_weights
 from megatron_logra.sync.wire import PROTOCOL_VERSION
 
 REPO = Path(__file__).resolve().parents[2]
-# Engine start is 24-39 s on a quiet 2-core machine and 156-315 s was measured on a loaded one;
-# 600 s leaves room for a slower one.
-DEFAULT_START_TIMEOUT_S = 600.0
+DEFAULT_START_TIMEOUT_S = ENGINE_START_TIMEOUT_S  # rollout.start_timeout_s's default
 # One request after start (a generate, a sync, a weight read) on the tiny and small models.
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
 
@@ -91,6 +90,8 @@ class VLLMEngine:
     # ------------------------------------------------------------------ process
 
     def start(self) -> None:
+        if self._rpc is not None:
+            return  # started already (the protocol's start is idempotent)
         python = self.venv / "bin" / "python"
         if not python.exists():
             raise EngineError(f"the vLLM venv {self.venv} does not exist: run `make setup-vllm` "
@@ -145,7 +146,8 @@ class VLLMEngine:
         self.info = self._call("start", self.start_timeout_s, protocol_version=PROTOCOL_VERSION,
                                hf_dir=str(self.hf_dir), tensor_parallel=self.tensor_parallel,
                                dtype=self.dtype, max_model_len=self.max_model_len,
-                               seed=self.seed, target_names=self.target_names)
+                               seed=self.seed, target_names=self.target_names,
+                               merge_device=channel_device(self.channel_device).type)
         if self.transport == "collective":
             self._sender = CollectiveSender(
                 self._rpc, engine_ranks=self.tensor_parallel,
@@ -203,6 +205,11 @@ class VLLMEngine:
             self._sender.apply(payload, timeout_s=self.request_timeout_s)
         else:
             self._call("apply_sync", self.request_timeout_s, payload=payload)
+
+    @property
+    def replay_device(self) -> str:
+        """The device kind vLLM's workers replay low-rank merges on (after ``start``)."""
+        return self.info["replay_device"]
 
     @property
     def transport_stats(self) -> TransportStats | None:

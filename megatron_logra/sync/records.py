@@ -30,6 +30,17 @@ PROJECTION_DTYPES: dict[str, torch.dtype] = {
 """The dtype the trainer rounded A through before merging (its compute dtype)."""
 
 
+def host_factor(factor_OR: torch.Tensor) -> torch.Tensor:
+    """A copy of a merged factor in host memory, for a record.
+
+    The trainer merges on its own device and reuses the factor's buffer (the sketch) in the next
+    step, so a record keeps a copy; on the host, because a record is gathered over the trainer's
+    ranks (a pickled CUDA tensor would unpickle onto the sender's device number in every
+    process), compared across ranks and encoded from raw bytes (``.numpy()`` refuses device
+    memory)."""
+    return factor_OR.detach().to("cpu", copy=True)
+
+
 @dataclass(frozen=True)
 class FactorPiece:
     """Factor rows of one trainer rank.
@@ -40,7 +51,8 @@ class FactorPiece:
             DP-sharded master holds a gate and an up range).
         col_start, col_end: the global input columns of the weight the piece is merged into
             (a row-parallel TP shard covers a slice; otherwise ``0, in_features``).
-        factor_OR: ``F`` as merged, fp32 (or the wire dtype after decoding).
+        factor_OR: ``F`` as merged, fp32 (or the wire dtype after decoding), on the host
+            (:func:`host_factor`).
     """
 
     row_ranges: tuple[tuple[int, int], ...]
@@ -49,6 +61,11 @@ class FactorPiece:
     factor_OR: torch.Tensor
 
     def __post_init__(self) -> None:
+        if self.factor_OR.device.type != "cpu":
+            raise ValueError(
+                f"a factor piece of rows {self.row_ranges} holds a tensor on "
+                f"{self.factor_OR.device}: records are gathered between processes and encoded "
+                "as raw bytes, which needs host memory; build it with host_factor(factor)")
         rows = sum(hi - lo for lo, hi in self.row_ranges)
         if self.factor_OR.dim() != 2 or self.factor_OR.shape[0] != rows:
             raise ValueError(

@@ -12,7 +12,11 @@ equal the trainer's. An engine rank may keep only its TP shard of each tensor
 Rules: a full sync (:class:`FullSyncBucket` s) comes first and resets every count; a target's
 low-rank updates must arrive as 1, 2, 3, ... after it (a gap or a repeat raises, naming the
 layer, the expected and the received count); dense values must be newer than the last one of
-that parameter. A refused record changes nothing.
+that parameter; a delta (:mod:`megatron_logra.sync.delta`) must be against the update the
+engine holds. A refused record changes nothing.
+
+Under ``sync.mode=delta`` the shadow has no targets: it holds the served weights only and XORs
+each delta into them (no fp32 master on the engine).
 
 Shape suffixes: O = rows, I = input columns, R = sketch rank.
 """
@@ -27,6 +31,7 @@ from megatron_logra.bf16_remainder import round_to_bf16
 from megatron_logra.projection import generate_projection, projection_key
 from megatron_logra.sketch import apply_low_rank_update_
 from megatron_logra.sync.checksum import weight_checksums
+from megatron_logra.sync.delta import DeltaBucket, apply_xor_, decoded_xor
 from megatron_logra.sync.records import (
     PROJECTION_DTYPES,
     DenseUpdate,
@@ -36,6 +41,8 @@ from megatron_logra.sync.records import (
     SyncRecord,
 )
 from megatron_logra.sync.shard import TensorShard, whole
+
+HOST = torch.device("cpu")
 
 
 def regenerate_projection(update: LowRankUpdate, col_start: int, col_end: int) -> torch.Tensor:
@@ -47,8 +54,22 @@ def regenerate_projection(update: LowRankUpdate, col_start: int, col_end: int) -
     return proj_RI if rounding == torch.float32 else proj_RI.to(rounding).float()
 
 
+def _merge_on_(block_OI: torch.Tensor, factor_OR: torch.Tensor, proj_RI: torch.Tensor, *,
+               lr: float, wd: float, device: torch.device) -> None:
+    """The trainer's merge call on ``block_OI`` (in host memory), run on ``device`` (the kind the
+    trainer merges on: :mod:`megatron_logra.sync.replay_device`)."""
+    if device.type == "cpu":
+        apply_low_rank_update_(block_OI, factor_OR, proj_RI, lr=lr, weight_decay=wd)
+        return
+    on_device = block_OI.to(device)
+    apply_low_rank_update_(on_device, factor_OR.to(device), proj_RI.to(device), lr=lr,
+                           weight_decay=wd)
+    block_OI.copy_(on_device.cpu())
+
+
 def _merge_piece_(master_OI: torch.Tensor, shard: TensorShard, full_shape: tuple[int, int],
-                  update: LowRankUpdate, piece: FactorPiece) -> None:
+                  update: LowRankUpdate, piece: FactorPiece,
+                  device: torch.device = HOST) -> None:
     """One trainer merge call, replayed on a block of the same shape (so: the same rounding),
     on the part of the piece this shard holds.
 
@@ -78,7 +99,7 @@ def _merge_piece_(master_OI: torch.Tensor, shard: TensorShard, full_shape: tuple
     inside = bool(held.all()) and (c_lo, c_hi) == (piece.col_start, piece.col_end)
     if inside and torch.equal(local, torch.arange(master_OI.shape[0])) and (
             cols == slice(0, master_OI.shape[1])):
-        apply_low_rank_update_(master_OI, factor_OR, proj_RI, lr=lr, weight_decay=wd)
+        _merge_on_(master_OI, factor_OR, proj_RI, lr=lr, wd=wd, device=device)
         return
     # The piece's block: gathered whole from the shard, or a scratch block at the piece's shape
     # holding the shard's entries; either way only the shard's entries are written back.
@@ -88,7 +109,7 @@ def _merge_piece_(master_OI: torch.Tensor, shard: TensorShard, full_shape: tuple
     else:
         block_OI = torch.zeros(local.numel(), piece.col_end - piece.col_start)
         block_OI[held, piece_cols] = master_OI[local[held], cols]
-    apply_low_rank_update_(block_OI, factor_OR, proj_RI, lr=lr, weight_decay=wd)
+    _merge_on_(block_OI, factor_OR, proj_RI, lr=lr, wd=wd, device=device)
     master_OI[local[held], cols] = block_OI[held, piece_cols]
 
 
@@ -101,11 +122,15 @@ class EngineShadow:
         shards: the part of each named tensor this engine rank keeps (its TP shard); a name
             without one is kept whole. Records still address the full (TP=1) tensors: the
             shadow slices what arrives and replays only the merges that touch its shard.
+        replay_device: where merges run (the shadow stays in host memory): a device of the
+            kind the trainer merges on (:mod:`megatron_logra.sync.replay_device`).
     """
 
     def __init__(self, target_names: Iterable[str], *, served_dtype: torch.dtype,
-                 shards: Mapping[str, TensorShard] | None = None) -> None:
+                 shards: Mapping[str, TensorShard] | None = None,
+                 replay_device: torch.device = HOST) -> None:
         self.target_names = frozenset(target_names)
+        self.replay_device = replay_device
         self.served_dtype = served_dtype
         self.shards: dict[str, TensorShard] = dict(shards or {})
         self.masters: dict[str, torch.Tensor] = {}
@@ -115,6 +140,12 @@ class EngineShadow:
         self.counts: dict[str, int] = {}
         self._pending: list[FullSyncBucket] = []
 
+    def invalidate(self) -> None:
+        """Forget every weight: after a failure that left the served model and the shadow apart,
+        every record but a full sync is refused (naming the missing full sync)."""
+        self.masters, self.served, self.full_shapes, self.counts = {}, {}, {}, {}
+        self._pending = []
+
     def shard_of(self, name: str, full_shape: tuple[int, ...]) -> TensorShard:
         shard = self.shards.get(name) or whole(full_shape)
         shard.check(full_shape, name)
@@ -122,15 +153,56 @@ class EngineShadow:
 
     # ------------------------------------------------------------------ records
 
-    def apply(self, record: SyncRecord) -> None:
+    def apply(self, record: SyncRecord | DeltaBucket) -> list[str]:
+        """Apply one record; the names whose served tensor it changed (a full sync's: none until
+        its last bucket, then all)."""
         if isinstance(record, LowRankUpdate):
             self.apply_low_rank(record)
-        elif isinstance(record, DenseUpdate):
+            return [record.param_name]
+        if isinstance(record, DenseUpdate):
             self.apply_dense(record)
-        elif isinstance(record, FullSyncBucket):
+            return [record.name]
+        if isinstance(record, FullSyncBucket):
             self.apply_full_bucket(record)
-        else:
-            raise TypeError(f"not a sync record: {type(record).__name__}")
+            return [] if self._pending else list(self.served)
+        if isinstance(record, DeltaBucket):
+            self.apply_delta(record)
+            return list(record.tensors)
+        raise TypeError(f"not a sync record: {type(record).__name__}")
+
+    def apply_delta(self, bucket: DeltaBucket) -> None:
+        """XOR each tensor's bits into what this engine holds of it: the fp32 master of a target
+        it shadows (then the served cast is redone), the served tensor otherwise; this rank's
+        shard of it. Every tensor is checked (known, at its base count, dtype and shape, frame
+        and digest) before any changes."""
+        xors = {}
+        for name, delta in bucket.tensors.items():
+            held = self.masters.get(name, self.served.get(name))
+            if held is None:
+                raise RuntimeError(f"refusing delta of {name}: the engine holds no such weight "
+                                   "(no full sync yet, or an unknown name)")
+            if delta.base_count != self.counts[name] or bucket.update_count <= delta.base_count:
+                raise RuntimeError(
+                    f"refusing delta of {name} to update {bucket.update_count}: it is against "
+                    f"update {delta.base_count}, the engine holds update {self.counts[name]} "
+                    f"({'repeated' if bucket.update_count <= self.counts[name] else 'out of order'}"
+                    "); request a full sync")
+            full_shape = self.full_shapes[name]
+            dtype = str(held.dtype).removeprefix("torch.")
+            if (delta.dtype, delta.shape) != (dtype, full_shape):
+                raise RuntimeError(
+                    f"refusing delta of {name}: it is of a {delta.dtype} {delta.shape} tensor, "
+                    f"the engine holds {dtype} {full_shape}"
+                    + (" (its fp32 master: the trainer must XOR the master)"
+                       if name in self.masters else ""))
+            xors[name] = self.shard_of(name, full_shape).take(decoded_xor(name, delta))
+        for name, xor in xors.items():
+            if name in self.masters:
+                apply_xor_(self.masters[name], xor)
+                self.served[name] = self._cast(self.masters[name])
+            else:
+                apply_xor_(self.served[name], xor)
+            self.counts[name] = bucket.update_count
 
     def apply_full_bucket(self, bucket: FullSyncBucket) -> None:
         """Collect the buckets of one full sync; the last one replaces all state at once."""
@@ -196,7 +268,7 @@ class EngineShadow:
             self._check_piece(update, piece, full_shape)
         shard = self.shard_of(name, full_shape)
         for piece in update.pieces:
-            _merge_piece_(master_OI, shard, full_shape, update, piece)
+            _merge_piece_(master_OI, shard, full_shape, update, piece, self.replay_device)
         self.served[name] = self._cast(master_OI)
         self.counts[name] = expected
 

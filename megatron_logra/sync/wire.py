@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from megatron_logra.sync.delta import DeltaBucket, delta_from_header, delta_header
 from megatron_logra.sync.records import (
     DenseUpdate,
     FactorPiece,
@@ -24,7 +25,7 @@ from megatron_logra.sync.records import (
     SyncRecord,
 )
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 """The version of this encoding and of the records' fields; an engine process built from another
 version refuses to start (bump it with any change to ``encode`` / ``decode`` or the records)."""
 WIRE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -56,14 +57,17 @@ class _Payload:
 
     def add(self, tensor: torch.Tensor) -> dict[str, Any]:
         data = tensor.contiguous().view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
-        spec = {"dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape),
-                "offset": self.offset, "nbytes": len(data)}
+        return {"dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape),
+                **self.add_bytes(data)}
+
+    def add_bytes(self, data: bytes) -> dict[str, Any]:
+        spec = {"offset": self.offset, "nbytes": len(data)}
         self.chunks.append(data)
         self.offset += len(data)
         return spec
 
 
-def encode(record: SyncRecord, *, wire_dtype: str) -> bytes:
+def encode(record: SyncRecord | DeltaBucket, *, wire_dtype: str) -> bytes:
     """The bytes of ``record``; raises ValueError if ``wire_dtype`` would round a tensor."""
     payload = _Payload()
     header: dict[str, Any]
@@ -86,6 +90,8 @@ def encode(record: SyncRecord, *, wire_dtype: str) -> bytes:
         header = {"type": "full", "update_count": record.update_count, "index": record.index,
                   "num_buckets": record.num_buckets,
                   "tensors": {name: payload.add(t) for name, t in record.tensors.items()}}
+    elif isinstance(record, DeltaBucket):
+        header = delta_header(record, payload.add_bytes)  # compressed frames, no wire dtype
     else:
         raise TypeError(f"not a sync record: {type(record).__name__}")
     # Python's float repr round-trips exactly, so lr and weight decay arrive bit for bit.
@@ -103,7 +109,7 @@ def _tensor(blob: memoryview, spec: dict[str, Any], as_dtype: torch.dtype | None
     return tensor if as_dtype is None else tensor.to(as_dtype)
 
 
-def decode(data: bytes) -> SyncRecord:
+def decode(data: bytes) -> SyncRecord | DeltaBucket:
     """The record :func:`encode` wrote; factors come back as fp32 (exactly: they were exact)."""
     (length,) = _HEADER_LENGTH.unpack_from(data)
     header = json.loads(data[_HEADER_LENGTH.size : _HEADER_LENGTH.size + length])
@@ -122,4 +128,6 @@ def decode(data: bytes) -> SyncRecord:
     if kind == "full":
         return FullSyncBucket(header["update_count"], header["index"], header["num_buckets"],
                               {n: _tensor(blob, s, None) for n, s in header["tensors"].items()})
+    if kind == "delta":
+        return delta_from_header(header, blob)
     raise ValueError(f"unknown sync record type {kind!r}")

@@ -60,6 +60,7 @@ _FIELD_FORMATS: dict[str, Callable[[Any], str]] = {
     "alpha": lambda value: f"alpha {value:.3f}",
     "rollout_time_s": lambda value: f"rollout {value:.3f} s",
     "update_time_s": lambda value: f"update {value:.3f} s",
+    "sync_mode": lambda value: f"sync {value}",
     "sync_bytes": lambda value: f"sync {value:,} B",
     "sync_time_s": lambda value: f"sync {value:.3f} s",
     "sync_weights_match": lambda value: "weights equal" if value else "WEIGHTS DIFFER",
@@ -80,7 +81,7 @@ def _format_field(key: str, value: Any) -> str | None:
 CONSOLE_FIELDS: tuple[str, ...] = (
     "loss", "reward", "accuracy", "grad_norm", "lr", "kl_predicted_scaled", "kl_realized",
     "alpha", "tokens_per_s", "step_time_s", "rollout_time_s", "update_time_s",
-    "master_merge_time_s", "sync_bytes", "sync_time_s", "sync_weights_match", "mem_bytes",
+    "master_merge_time_s", "sync_mode", "sync_bytes", "sync_time_s", "sync_weights_match", "mem_bytes",
 )
 
 

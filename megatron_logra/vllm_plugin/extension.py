@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from megatron_logra.sync.records import FullSyncBucket
+from megatron_logra.sync.replay_device import replay_device
 from megatron_logra.sync.shadow import EngineShadow
 from megatron_logra.sync.transport import ChannelAddress, TensorChannel, payload_digest
 from megatron_logra.sync.wire import decode
@@ -34,7 +34,8 @@ from megatron_logra.vllm_plugin.layout import (
 class LowRankSyncExtension:
     """Mixed into vLLM's worker class; ``self`` is the worker (``self.model_runner``)."""
 
-    def megatron_logra_init(self, target_names: list[str]) -> str:
+    def megatron_logra_init(self, target_names: list[str], merge_device: str) -> tuple[str, str]:
+        """Build this worker's shadow; ``(served dtype, the device kind merges replay on)``."""
         from vllm.distributed import (
             get_tensor_model_parallel_rank,
             get_tensor_model_parallel_world_size,
@@ -52,9 +53,11 @@ class LowRankSyncExtension:
             shards[name] = target_tp_shard(name, params[param].shape, tp_rank, tp_size, arch)
             self._logra_targets[name] = params[param]
         self._logra_arch, self._logra_tp = arch, tp_size
+        own_device = torch.device(getattr(self, "device", None) or "cpu")
         self._logra_shadow = EngineShadow(target_names, served_dtype=model_config.dtype,
-                                          shards=shards)
-        return str(model_config.dtype)
+                                          shards=shards,
+                                          replay_device=replay_device(merge_device, own_device))
+        return str(model_config.dtype), self._logra_shadow.replay_device.type
 
     def megatron_logra_apply(self, payload: bytes) -> tuple[str, list[str] | str]:
         """Apply one wire-encoded record to the shadow and load what changed into the model:
@@ -86,17 +89,16 @@ class LowRankSyncExtension:
 
     def _apply(self, payload: bytes) -> list[str]:
         shadow: EngineShadow = self._logra_shadow
-        record = decode(payload)
-        shadow.apply(record)  # raises, changing nothing, on an out-of-order record
-        if isinstance(record, FullSyncBucket):
-            if shadow._pending:  # noqa: SLF001 -- the sync completes with its last bucket
-                return []
-            names = list(shadow.served)
-        elif hasattr(record, "param_name"):
-            names = [record.param_name]
-        else:
-            names = [record.name]
-        self._load(names)
+        names = shadow.apply(decode(payload))  # raises, changing nothing, on a refused record
+        try:
+            self._load(names)
+        except Exception as error:
+            # The shadow took the record, the served model did not: they differ now, so refuse
+            # everything until a full sync rebuilds both.
+            shadow.invalidate()
+            raise RuntimeError(f"loading {names[:4]} into vLLM failed after the shadow took "
+                               f"the record ({type(error).__name__}: {error}); the engine "
+                               "refuses every record until a full sync") from error
         return names
 
     def _load(self, names: list[str]) -> None:

@@ -38,7 +38,8 @@ class Engine:
         self.arch = None
 
     def start(self, *, protocol_version: int, hf_dir: str, tensor_parallel: int, dtype: str,
-              max_model_len: int | None, seed: int, target_names: list[str]) -> dict[str, Any]:
+              max_model_len: int | None, seed: int, target_names: list[str],
+              merge_device: str) -> dict[str, Any]:
         import vllm
         from vllm import LLM
 
@@ -55,8 +56,11 @@ class Engine:
                        logprobs_mode="processed_logprobs",
                        worker_extension_cls=EXTENSION)
         self.arch = ServedArch.from_hf_config(self.llm.llm_engine.model_config.hf_config)
-        served = self.llm.collective_rpc("megatron_logra_init", args=(target_names,))
-        return {"vllm_version": vllm.__version__, "served_dtype": served[0]}
+        workers = self.llm.collective_rpc("megatron_logra_init", args=(target_names, merge_device))
+        replay = sorted({device for _, device in workers})
+        return {"vllm_version": vllm.__version__, "served_dtype": workers[0][0],
+                # One kind for all: a worker that cannot replay on the trainer's kind decides.
+                "replay_device": merge_device if replay == [merge_device] else "cpu"}
 
     def generate(self, *, prompt_token_ids: list[list[int]], max_new_tokens: int,
                  temperature: float, top_p: float, seed: int) -> list[tuple[list[int], list[float]]]:

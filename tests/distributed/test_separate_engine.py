@@ -40,7 +40,8 @@ LOGPROB_TP_TOLERANCE = 1e-5
 @pytest.fixture(scope="module")
 def engine_run(synthetic_data_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("separate_engine")
-    run_torchrun(2, [str(WORKERS / "separate_engine_worker.py"), "--out", str(out),
+    run_torchrun(2, [str(WORKERS / "separate_engine_worker.py"), "--case", "separate_engine",
+                     "--out", str(out),
                      "--data", str(synthetic_data_dir), "--steps", str(NUM_STEPS),
                      "--trainer-tp", str(TRAINER_TP), "--engine-tp", str(ENGINE_TP)])
     return json.loads((out / "result.json").read_text())
@@ -52,9 +53,23 @@ COLLECTIVE_STEPS = 2
 @pytest.fixture(scope="module")
 def collective_engine_run(synthetic_data_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("separate_engine_collective")
-    run_torchrun(2, [str(WORKERS / "separate_engine_worker.py"), "--out", str(out),
+    run_torchrun(2, [str(WORKERS / "separate_engine_worker.py"), "--case", "separate_engine",
+                     "--out", str(out),
                      "--data", str(synthetic_data_dir), "--steps", str(COLLECTIVE_STEPS),
                      "--engine-tp", "2", "--transport", "collective"])
+    return json.loads((out / "result.json").read_text())
+
+
+DELTA_STEPS = 2
+
+
+@pytest.fixture(scope="module")
+def delta_engine_runs(synthetic_data_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("separate_engine_delta")
+    run_torchrun(2, [str(WORKERS / "separate_engine_worker.py"), "--case", "delta",
+                     "--out", str(out), "--data", str(synthetic_data_dir),
+                     "--steps", str(DELTA_STEPS), "--trainer-tp", "2", "--engine-tp", "1",
+                     "--transport", "collective"])
     return json.loads((out / "result.json").read_text())
 
 
@@ -139,3 +154,24 @@ def test_collective_transport_leaves_refusals_and_mismatch_recovery_unchanged(
     assert collective_engine_run["mismatches_after_refusals"] == []
     assert collective_engine_run["forced_mismatch"]["sync_weights_match"] is False
     assert collective_engine_run["mismatches_after_forced"] == []
+
+
+@pytest.mark.parametrize("case", ["adam_fp32", "lora_bf16", "logra_bf16"])
+def test_delta_sync_keeps_the_engine_bit_for_bit_equal_for_adam_lora_and_logra(
+        delta_engine_runs, case):
+    run = delta_engine_runs[case]
+    assert len(run["steps"]) == DELTA_STEPS
+    for step in run["steps"]:
+        assert step["sync_mode"] == "delta"
+        assert step["sync_weights_match"] is True  # every served weight's digest, every step
+        assert 0 < step["sync_bytes"] < step["sync_full_bytes"]
+        assert 0 < step["sync_changed_fraction"] < 1
+    assert run["changed"] and run["mismatches_after_steps"] == []
+
+
+def test_a_repeated_delta_is_refused_by_the_engine_naming_the_layer_and_changes_nothing(
+        delta_engine_runs):
+    for run in delta_engine_runs.values():
+        message = run["refusals"]["repeated"]
+        assert "refusing delta of " in message and "(repeated)" in message
+        assert run["mismatches_after_refusals"] == []

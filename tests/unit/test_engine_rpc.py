@@ -81,3 +81,15 @@ def test_a_silent_engine_times_out_naming_the_knob_and_is_stopped(client):
     assert not client.connected and client.processes.members == []  # killed, not left behind
     with pytest.raises(EngineError, match="the engine is not running"):
         client.call("echo", 1, timeout_s=_REPLY_TIMEOUT_S)
+
+
+def test_the_megatron_engines_reply_names_every_rank_that_failed_not_only_rank_0():
+    # Issue 21 item 6: a failure on engine rank 1 alone (its own shard) reached no one.
+    from megatron_logra.mcore.inference.engine_server import combined_reply
+
+    assert combined_reply([("ok", {"update_count": 3}), ("ok", {"update_count": 3})]) == (
+        "ok", {"update_count": 3})
+    status, message = combined_reply([("ok", None), ("error", "RuntimeError: out of memory")])
+    assert (status, message) == ("error", "engine rank 1: RuntimeError: out of memory")
+    status, message = combined_reply([("error", "E: x"), ("error", "E: x"), ("error", "E: y")])
+    assert message == "engine ranks 0, 1: E: x; engine rank 2: E: y"

@@ -44,7 +44,7 @@ def test_colocated_is_the_default_and_auto_sync_is_low_rank_for_logra_full_other
     (["rollout.placement=nearby"], ["rollout.placement='nearby'", "colocated", "separate"]),
     (["rollout.engine=sglang"], ["rollout.engine='sglang'", "megatron", "vllm"]),
     (["rollout.tp=0"], ["rollout.tp=0", ">= 1"]),
-    (["sync.mode=delta"], ["sync.mode='delta'", "low_rank"]),
+    (["sync.mode=sparse"], ["sync.mode='sparse'", "delta"]),
     (["sync.wire_dtype=fp16"], ["sync.wire_dtype='fp16'", "bf16"]),
     (["sync.full_interval=-1"], ["sync.full_interval=-1", ">= 0"]),
     (["sync.check_interval=-2"], ["sync.check_interval=-2", ">= 0"]),

@@ -119,3 +119,44 @@ def test_engine_refuses_another_sync_protocol_or_vllm_version_naming_both():
         check_versions(2, 1, VLLM_VERSION)
     with pytest.raises(RuntimeError, match=f"written for vLLM {VLLM_VERSION}, the venv has 0.31.0"):
         check_versions(1, 1, "0.31.0")
+
+
+class _FailingModel(torch.nn.Module):
+    """vLLM's model as far as a sync's load reaches it: ``load_weights`` of a name it does not
+    hold raises, as vLLM's loaders do (a KeyError of the parameter dict)."""
+
+    def load_weights(self, weights):
+        for name, _ in weights:
+            raise KeyError(name)
+
+
+def test_a_record_the_model_fails_to_load_leaves_the_worker_refusing_all_but_a_full_sync():
+    # Issue 21 item 10: the shadow took the record before the load raised, so shadow and served
+    # model disagreed and the next records were accepted on top of the stale model.
+    from types import SimpleNamespace
+
+    from megatron_logra.sync.records import DenseUpdate, full_sync_buckets
+    from megatron_logra.sync.shadow import EngineShadow
+    from megatron_logra.sync.wire import encode
+    from megatron_logra.vllm_plugin.extension import LowRankSyncExtension
+
+    norm = "decoder.final_layernorm.weight"
+    worker = LowRankSyncExtension()
+    worker._logra_shadow = EngineShadow([], served_dtype=torch.float32)
+    worker._logra_targets, worker._logra_arch, worker._logra_tp = {}, SERVED, 1
+    worker.model_runner = SimpleNamespace(model=_FailingModel())
+    (bucket,) = full_sync_buckets({norm: torch.ones(32)}, update_count=0, bucket_bytes=1 << 20)
+    status, message = worker.megatron_logra_apply(encode(bucket, wire_dtype="fp32"))
+    assert status == "error" and "refuses every record until a full sync" in message
+    later = DenseUpdate(norm, 1, torch.full((32,), 2.0))
+    status, message = worker.megatron_logra_apply(encode(later, wire_dtype="fp32"))
+    assert status == "error" and f"unknown parameter {norm}" in message
+
+
+def test_the_engine_start_timeout_default_exceeds_the_recorded_vllm_start_times():
+    # Issue 21 item 10: 300 s was below the 156-315 s starts recorded on a loaded machine.
+    from megatron_logra.config.rollout import RolloutConfig
+    from megatron_logra.rollout.vllm_engine import DEFAULT_START_TIMEOUT_S
+
+    recorded_max_start_s = 315.0  # docs/vllm.md
+    assert RolloutConfig().start_timeout_s == DEFAULT_START_TIMEOUT_S > 2 * recorded_max_start_s

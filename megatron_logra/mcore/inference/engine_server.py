@@ -45,7 +45,8 @@ from megatron_logra.rl.rollout import SamplingParams
 from megatron_logra.rollout.megatron_engine import AUTHKEY_ENV, ENGINE_PROTOCOL
 from megatron_logra.rollout.rpc import disable_nagle
 from megatron_logra.sync.checksum import weight_checksum
-from megatron_logra.sync.records import DenseUpdate, FullSyncBucket, LowRankUpdate
+from megatron_logra.sync.records import FullSyncBucket
+from megatron_logra.sync.replay_device import replay_device
 from megatron_logra.sync.shadow import EngineShadow
 from megatron_logra.sync.shard import megatron_tp_shard
 from megatron_logra.sync.transport import ChannelAddress, TensorChannel, payload_digest
@@ -66,8 +67,11 @@ class EngineRank:
         self.chunks = build_model_chunks(cfg, groups, vocab_size=embedding_rows(cfg, tokenizer))
         self.sampler = MegatronSampler(self.chunks, groups, vocab_size=tokenizer.vocab_size)
         self.params = dict(global_named_parameters(self.chunks[0]))
+        # An fp32 shadow of the targets only where low-rank records arrive (the trainer's
+        # engine_shadow_targets): full and delta sync hand the engine its served weights.
+        low_rank = cfg.sync.resolved_mode(cfg.optimizer.name) == "low_rank"
         targets = (target_param_names(cfg.logra.targets, cfg.model.num_layers)
-                   if cfg.optimizer.name == "logra" else [])
+                   if cfg.optimizer.name == "logra" and low_rank else [])
         missing = sorted(set(targets) - self.params.keys())
         if missing:
             raise RuntimeError(f"the engine's model has no parameters {missing[:4]}")
@@ -85,8 +89,11 @@ class EngineRank:
             if body.get("protocol") != ENGINE_PROTOCOL:
                 raise RuntimeError(f"protocol mismatch: the trainer speaks "
                                    f"{body.get('protocol')!r}, this engine {ENGINE_PROTOCOL!r}")
+            # Merges are replayed on the trainer's kind of device where this rank has one.
+            self.shadow.replay_device = replay_device(body["merge_device"], self.groups.device)
             return {"protocol": ENGINE_PROTOCOL, "tp": self.groups.tp_size,
-                    "targets": sorted(self.shadow.target_names)}
+                    "targets": sorted(self.shadow.target_names),
+                    "replay_device": self.shadow.replay_device.type}
         if op == "generate":
             return self._generate(body)
         if op == "sync":
@@ -132,20 +139,25 @@ class EngineRank:
                     raise RuntimeError(
                         f"full sync names differ from the engine's parameters: missing "
                         f"{sorted(known - sent)[:4]}, unknown {sorted(sent - known)[:4]}")
-            self.shadow.apply(record)
-            changed = list(self.params) if record.index == record.num_buckets - 1 else []
-        elif isinstance(record, LowRankUpdate):
-            self.shadow.apply(record)
-            changed = [record.param_name]
-        elif isinstance(record, DenseUpdate):
-            self.shadow.apply(record)
-            changed = [record.name]
-        else:
-            raise RuntimeError(f"not a sync record: {type(record).__name__}")
+        changed = self.shadow.apply(record)  # raises, changing nothing, on a refused record
         with torch.no_grad():
             for name in changed:
                 self.params[name].copy_(self.shadow.served[name])  # this rank's shard
         return {"update_count": getattr(record, "update_count", None)}
+
+
+def combined_reply(replies: list[tuple[str, Any]]) -> tuple[str, Any]:
+    """The trainer's answer from every engine rank's ``(status, value)``, in rank order: rank 0's
+    value if all succeeded, else an error naming each rank that failed and its message."""
+    failed: dict[str, list[int]] = {}
+    for r, (status, value) in enumerate(replies):
+        if status != "ok":
+            failed.setdefault(value, []).append(r)
+    if not failed:
+        return replies[0]
+    return "error", "; ".join(
+        f"engine rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {message}"
+        for message, ranks in failed.items())
 
 
 def serve(cfg, port: int, authkey: bytes) -> None:
@@ -175,8 +187,15 @@ def serve(cfg, port: int, authkey: bytes) -> None:
             except Exception as error:  # noqa: BLE001 -- answered to the trainer, named there
                 reply = ("error", f"{type(error).__name__}: {error}")
                 logger.warning("request %s failed: %s", op, reply[1])
-            if conn is not None and op != "idle":
-                conn.send(reply)
+            if op == "idle":
+                continue
+            # Every rank's status reaches the reply: a rank that failed on its own shard would
+            # otherwise leave it stale, unseen until a checksum.
+            replies: list[Any] = [None] * groups.world_size if groups.world_rank == 0 else []
+            dist.gather_object(reply, replies if groups.world_rank == 0 else None, dst=0,
+                               group=world)
+            if conn is not None:
+                conn.send(combined_reply(replies))
     finally:
         if rank is not None and rank.channel is not None:
             rank.channel.close()

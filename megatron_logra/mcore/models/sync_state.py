@@ -5,7 +5,11 @@ Policy sync speaks TP=1 names and shapes, whatever the layouts of the trainer an
 
 * :func:`served_weights`: every weight as the trainer computes with it (its own dtype), the
   TP shards gathered exactly as Megatron sliced them (``partition_stride`` included), the
-  pipeline stages' names merged; what the engine must serve, and what the checksums compare;
+  pipeline stages' names merged; what the engine must serve, and what the checksums compare.
+  A LoRA target is served merged, ``W + (alpha/r) B A`` (fp32 products, one rounding to the
+  weight's dtype), its adapters not at all: an engine serves a plain model (vLLM loads a Hugging
+  Face checkpoint), so its rollouts differ from the trainer's unmerged forward by that rounding
+  (the run's ``rollout_trainer_gap`` shows it);
 * :func:`exact_state`: what a full sync ships. Non-targets as served; targets as their fp32
   masters (with bf16 weights the shadow must start from the exact master, not from the
   rounded weight), assembled from every rank's owned row blocks (``global_row_ranges``), so
@@ -25,6 +29,7 @@ import torch.distributed as dist
 from megatron_logra.mcore.models.sharding import gather_full, global_named_parameters, unwrap_model
 from megatron_logra.mcore.models.targets import TARGET_PATHS
 from megatron_logra.mcore.optimizer.logra_state import global_row_ranges
+from megatron_logra.mcore.peft.lora import ADAPTER_ATTR, lora_adapters
 from megatron_logra.mcore.process_groups import ParallelGroups
 
 
@@ -66,7 +71,22 @@ def served_weights(
     stage = {name: gather_full(param, groups.tp, groups.tp_size).cpu()
              for name, param in _stage_parameters(model_chunks)
              if names is None or name in names}
-    return _merge_stages(stage, groups)
+    return _merge_stages(_merge_lora(stage, model_chunks), groups)
+
+
+def _merge_lora(stage: dict[str, torch.Tensor], model_chunks: Sequence[torch.nn.Module]
+                ) -> dict[str, torch.Tensor]:
+    """The full tensors with each LoRA adapter merged into its target's weight."""
+    scales = {a.layer_key: a.scale for a in lora_adapters(model_chunks)}
+    for key, scale in scales.items():
+        a = stage.pop(f"{key}.{ADAPTER_ATTR}.a", None)
+        b = stage.pop(f"{key}.{ADAPTER_ATTR}.b", None)
+        weight = stage.get(f"{key}.weight")
+        if a is None or b is None or weight is None:
+            continue  # not among the names asked for
+        merged = weight.float().addmm_(b.float(), a.float(), alpha=scale)
+        stage[f"{key}.weight"] = merged.to(weight.dtype)
+    return stage
 
 
 def trainable_non_targets(

@@ -68,7 +68,7 @@ from megatron_logra.row_adam_paper import blockwise_sq_norm
 from megatron_logra.sketch import apply_low_rank_update_, reconstructed_sq_norm
 from megatron_logra.sketch_buffer import FlatSketchBuffer, SketchSlot
 from megatron_logra.step_scale import ProposedUpdate, StepScale
-from megatron_logra.sync.records import FactorPiece, LowRankUpdate
+from megatron_logra.sync.records import FactorPiece, LowRankUpdate, host_factor
 
 
 class _TargetParamGroups(torch.optim.Optimizer):
@@ -579,7 +579,7 @@ class LoGRAOptimizer(MegatronOptimizer):
                      weight_decay: float) -> LowRankUpdate:
         """What this rank merges into ``target`` in the current update, for policy sync."""
         piece = FactorPiece(global_row_ranges(self, target), target.col_start, target.col_end,
-                            factor_OR.detach().clone())  # the sketch buffer is reused
+                            host_factor(factor_OR))
         return LowRankUpdate(
             layer_key=target.layer_key, update_count=self.update_count + 1,
             seed=self.logra.seed, projection_count=self.update_count if self.logra.refresh else 0,

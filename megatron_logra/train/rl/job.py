@@ -40,7 +40,6 @@ from megatron_logra.mcore import (
     load_model_weights,
     setup_training,
 )
-from megatron_logra.mcore.models.sync_state import target_param_names
 from megatron_logra.probe_batch import rollout_probe_batch
 from megatron_logra.rl.eval_answers import eval_answers_path, write_eval_answers
 from megatron_logra.rl.presets import build_preset
@@ -56,7 +55,7 @@ from megatron_logra.train.rl.collectives import from_world_rank0
 from megatron_logra.train.rl.engine_checkpoint import write_engine_checkpoint
 from megatron_logra.train.rl.engine_rollouts import SeparateEngineRollouts
 from megatron_logra.train.rl.evaluation import evaluate
-from megatron_logra.train.rl.policy_sync import PolicySync
+from megatron_logra.train.rl.policy_sync import PolicySync, engine_shadow_targets
 from megatron_logra.train.rl.policy_update import update_policy
 from megatron_logra.train.rl.prompts import PromptEncoder
 from megatron_logra.train.rl.rollout_pipeline import RolloutPipeline, async_step_metrics
@@ -114,8 +113,7 @@ class RLJob:
                 write_engine_checkpoint(cfg, self.setup, groups, vllm_checkpoint_dir(cfg),
                                         vocab_size=embedding_rows(cfg, tokenizer),
                                         eos_id=tokenizer.eos_id)
-            target_names = (target_param_names(cfg.logra.targets, cfg.model.num_layers)
-                            if self.setup.logra is not None else [])
+            target_names = engine_shadow_targets(cfg, self.setup.logra is not None)
             # World rank 0 owns the engine; every rank learns whether it started.
             started: list = []
 

@@ -9,7 +9,16 @@ state in buckets of ``sync.bucket_bytes``: fp32 masters of the targets, the rest
 dtype -- happens before the first rollout of a process (the start and after a resume: the
 engine's counts restart from the trainer's), every ``sync.full_interval`` updates, and whenever
 the checksums of the served weights, compared every ``sync.check_interval`` updates, disagree.
-``sync.mode=full`` ships the full state after every step (the baseline).
+``sync.mode=full`` ships the full state after every step (the baseline). ``sync.mode=delta``
+(any optimizer) ships the XOR of the engine's state against the trainer's, compressed
+(:mod:`megatron_logra.sync.delta`); world rank 0 keeps the state of the last sync to XOR
+against. ``auto`` is low_rank for LoGRA -- unless the engine cannot replay merges on the
+trainer's kind of device (:mod:`megatron_logra.sync.replay_device`), then delta -- and full for
+the other optimizers.
+
+What the engine holds, and so what a full sync and a delta carry: with low-rank records (the
+engine keeps an fp32 shadow of the targets) the exact state, fp32 masters of the targets;
+otherwise the served weights in their own dtype (no shadow on the engine).
 
 Every method is collective over the trainer world; world rank 0 talks to the engine and an
 error there is raised on every rank (``from_world_rank0``). Metrics per step: ``sync_bytes``
@@ -21,6 +30,7 @@ apply; rank 0's clock), ``sync_full_bytes`` (what one full sync ships), and on c
 from __future__ import annotations
 
 import json
+import logging
 import time
 from typing import Any
 
@@ -43,9 +53,22 @@ from megatron_logra.mcore.models.sync_state import (
 from megatron_logra.rollout.engine import GenerationEngine
 from megatron_logra.rollout.factory import vllm_checkpoint_dir
 from megatron_logra.sync.checksum import mismatched_weights, weight_checksums
+from megatron_logra.sync.delta import delta_buckets
 from megatron_logra.sync.records import DenseUpdate, combine_rank_records, full_sync_buckets
+from megatron_logra.sync.replay_device import low_rank_replay_problem
 from megatron_logra.sync.wire import encode
 from megatron_logra.train.rl.collectives import from_world_rank0
+
+logger = logging.getLogger(__name__)
+
+
+def engine_shadow_targets(cfg: Config, has_logra: bool) -> list[str]:
+    """The LoGRA targets a separate engine keeps an exact fp32 shadow of: all of them where
+    low-rank records ship (``sync.mode`` low_rank, or auto for LoGRA), none otherwise (full and
+    delta sync hand the engine its served weights)."""
+    if not has_logra or cfg.sync.resolved_mode(cfg.optimizer.name) != "low_rank":
+        return []
+    return target_param_names(cfg.logra.targets, cfg.model.num_layers)
 
 
 class PolicySync:
@@ -60,13 +83,18 @@ class PolicySync:
         logra = setup.logra
         targets = frozenset() if logra is None else frozenset(
             f"{t.layer_key}.weight" for t in logra.targets)
+        # The engine was started with a shadow of these (engine_shadow_targets).
+        self.shadowed = bool(engine_shadow_targets(cfg, logra is not None))
+        if self.mode == "low_rank":
+            self.mode = self._low_rank_or_delta()
         if logra is not None:
             expected = frozenset(target_param_names(cfg.logra.targets, cfg.model.num_layers))
             mine = frozenset(targets)
             if not mine <= expected:
                 raise RuntimeError(f"LoGRA targets {sorted(mine - expected)[:4]} are not the "
                                    "engine's target names")
-            logra.update_listener = self._records.extend
+            if self.mode == "low_rank":
+                logra.update_listener = self._records.extend
         self.dense_names = trainable_non_targets(setup.model_chunks, targets)
         self.synced = False
         self.full_bytes = 0
@@ -75,6 +103,24 @@ class PolicySync:
         self._updates = 0  # updates this process has seen (a non-LoGRA run's count)
         self._resumed = 0  # updates before this process (a resumed non-LoGRA run)
         self._hf_arch = None  # a Hugging Face engine's layout, read on first use (rank 0)
+        self._view: dict[str, torch.Tensor] = {}  # delta: what the engine holds (rank 0)
+        self._view_counts: dict[str, int] = {}
+
+    def _low_rank_or_delta(self) -> str:
+        """low_rank if the engine replays merges exactly; else delta under ``auto`` and an error
+        under ``low_rank`` (collective)."""
+        merge_device = self.groups.device.type
+
+        def problem() -> str | None:
+            return low_rank_replay_problem(merge_device, self.engine.replay_device)
+        reason = from_world_rank0(problem, "the engine's replay device")
+        if reason is None:
+            return "low_rank"
+        if self.cfg.sync.mode == "auto":
+            logger.warning("sync.mode=auto ships sparse deltas: %s", reason)
+            return "delta"
+        raise ValueError(f"sync.mode=low_rank: {reason}; use sync.mode=delta (exact on any "
+                         "device) or sync.mode=auto")
 
     # ------------------------------------------------------------------ counts
 
@@ -100,14 +146,17 @@ class PolicySync:
         self._since_full += updates
         self._since_check += updates
         s = self.cfg.sync
+        metrics: dict[str, Any] = {"sync_mode": self.mode}
         if self.mode == "full":
             self._records.clear()
             sent = self._full_sync()
         else:
-            sent = self._ship_updates()
+            if self.mode == "delta":
+                sent, metrics["sync_changed_fraction"] = self._ship_delta()
+            else:
+                sent = self._ship_updates()
             if s.full_interval and self._since_full >= s.full_interval:
                 sent += self._full_sync()
-        metrics: dict[str, Any] = {}
         if s.check_interval and self._since_check >= s.check_interval:
             self._since_check = 0
             match = not self.mismatched()
@@ -132,18 +181,46 @@ class PolicySync:
             return sum(len(p) for p in payloads)
         return from_world_rank0(ship, what)
 
+    def _engine_state(self) -> dict[str, torch.Tensor]:
+        """What the engine holds exactly (collective): with a target shadow the fp32 masters of
+        the targets and the rest served, otherwise the served weights."""
+        if self.shadowed:
+            return exact_state(self.setup, self.groups, self.world)
+        return served_weights(self.setup.model_chunks, self.groups)
+
     def _full_sync(self) -> int:
-        state = exact_state(self.setup, self.groups, self.world)
+        state = self._engine_state()
         payloads: list[bytes] = []
         if self.groups.world_rank == 0:
-            buckets = full_sync_buckets(state, update_count=self.update_count(),
+            count = self.update_count()
+            buckets = full_sync_buckets(state, update_count=count,
                                         bucket_bytes=self.cfg.sync.bucket_bytes)
             payloads = [encode(bucket, wire_dtype="fp32") for bucket in buckets]
+            if self.mode == "delta":
+                self._view, self._view_counts = state, dict.fromkeys(state, count)
         sent = self._send(payloads, "full policy sync")
         self.full_bytes = sent
         self.synced = True
         self._since_full = 0
         return sent
+
+    def _ship_delta(self) -> tuple[int, float]:
+        """The XOR of the engine's state against the trainer's, compressed; the bytes shipped
+        and the fraction of elements that changed."""
+        state = self._engine_state()
+        payloads: list[bytes] = []
+        fraction = 0.0
+        if self.groups.world_rank == 0:
+            count = self.update_count()
+            buckets = delta_buckets(state, self._view, self._view_counts, update_count=count,
+                                    bucket_bytes=self.cfg.sync.bucket_bytes)
+            payloads = [encode(bucket, wire_dtype="fp32") for bucket in buckets]
+            changed = sum(t.changed for b in buckets for t in b.tensors.values())
+            fraction = changed / max(sum(t.numel() for t in state.values()), 1)
+            self._view = state
+            self._view_counts.update({n: count for b in buckets for n in b.tensors})
+        sent = self._send(payloads, "delta policy sync")
+        return sent, from_world_rank0(lambda: fraction, "delta sync fraction")
 
     def _ship_updates(self) -> int:
         per_rank: list[list | None] = [None] * dist.get_world_size(self.world)

@@ -165,5 +165,76 @@ def add_arguments(parser) -> None:
     parser.add_argument("--transport", default="rpc")
 
 
+# sync.mode=delta: one engine per optimizer and served dtype, in one process (the Megatron import
+# and the torchrun start are paid once). fp32 served weights change nearly every bit pattern in
+# a step (the delta is dense), bf16 ones a few percent.
+DELTA_CASES: tuple[tuple[str, str, list[str]], ...] = (
+    ("adam", "fp32", ["optimizer.lr=1e-4"]),
+    ("lora", "bf16", ["optimizer.lr=1e-3", "lora.lora_rank=4"]),
+    ("logra", "bf16", ["logra.mode=paper", "logra.update_ratio=1e-3"]),
+)
+
+
+def delta_cfg(args, world: int, optimizer: str = "adam", dtype: str = "fp32",
+              extra: tuple[str, ...] = ()):
+    overrides = [
+        f"parallel.tp={args.trainer_tp}", *tiny_gpt(), *SWIGLU_RMSNORM_NO_BIAS,
+        "train.micro_batch_size=4", f"train.steps={args.steps}", "rl.prompts_per_step=4",
+        "rl.samples_per_prompt=2", "rl.sampling.max_new_tokens=4", "rl.eval.prompts=2",
+        "rl.eval.interval=0", f"optimizer.name={optimizer}", f"model.params_dtype={dtype}",
+        "logra.kl_control.enabled=false", *extra,
+        "rollout.placement=separate", f"rollout.tp={args.engine_tp}",
+        "rollout.start_timeout_s=120", "sync.mode=delta", "sync.check_interval=1",
+        "sync.bucket_bytes=65536", f"sync.transport={args.transport}",
+        f"data.dir={args.data}", f"run.dir={args.out / f'run_{optimizer}_{dtype}'}",
+    ]
+    return load_config(RL_CONFIG, overrides, command="rl").resolved(world, "rl")
+
+
+def _delta_case(args, groups, optimizer: str, dtype: str, extra: tuple[str, ...]) -> dict:
+    from megatron_logra.sync.delta import DeltaBucket
+
+    job = RLJob(delta_cfg(args, groups.world_size, optimizer, dtype, extra), groups)
+    case: dict = {}
+    try:
+        sent: list[bytes] = []
+        engine = job.separate_engine
+        apply = None
+        if engine is not None:  # world rank 0: keep what goes on the wire
+            apply = engine.apply_sync
+
+            def keep(payload: bytes) -> None:
+                sent.append(payload)
+                apply(payload)
+            engine.apply_sync = keep
+        job.sync.ensure_synced()
+        initial = weight_checksums(served_weights(job.setup.model_chunks, groups).items())
+        case["steps"] = [{k: v for k, v in job.step(step).items() if k.startswith("sync")}
+                         for step in range(args.steps)]
+        final = served_weights(job.setup.model_chunks, groups)
+        case["changed"] = sorted(n for n, d in weight_checksums(final.items()).items()
+                                 if initial[n] != d)
+        case["mismatches_after_steps"] = job.sync.mismatched()
+
+        def refuse() -> dict:
+            last = next(p for p in reversed(sent) if isinstance(decode(p), DeltaBucket))
+            try:
+                apply(last)
+                return {"repeated": None}
+            except Exception as error:  # noqa: BLE001 -- the message is the measurement
+                return {"repeated": str(error)}
+        case["refusals"] = from_world_rank0(refuse, "delta refusals")
+        case["mismatches_after_refusals"] = job.sync.mismatched()
+    finally:
+        job.close()
+    return case
+
+
+def measure_delta(args, _cfg, groups):
+    return {f"{optimizer}_{dtype}": _delta_case(args, groups, optimizer, dtype, tuple(extra))
+            for optimizer, dtype, extra in DELTA_CASES}
+
+
 if __name__ == "__main__":
-    run_worker({"separate_engine": Case(cfg_for, measure, world_sizes=(2,))}, add_arguments)
+    run_worker({"separate_engine": Case(cfg_for, measure, world_sizes=(2,)),
+                "delta": Case(delta_cfg, measure_delta, world_sizes=(2,))}, add_arguments)
