@@ -3,7 +3,10 @@
 1. **rollouts** (:mod:`.rollouts`): the step's global prompt list (``rl.prompts_per_step`` x
    ``rl.samples_per_prompt``); the rollout engine samples this data-parallel rank's share with
    the current weights; rewards of the share; correctness and lengths gathered over DP, and the
-   preset's advantages computed on the whole global batch, identically on every rank;
+   preset's advantages computed on the whole global batch, identically on every rank. A
+   separate engine's batches come from :mod:`.rollout_pipeline`: requested up to
+   ``rollout.max_staleness`` steps ahead, so that with it > 0 the engine generates while the
+   trainer updates, each tagged with the policy version that generated it (docs/async.md);
 2. **batching** (:mod:`.batching`): responses padded to model.seq_length and cut into this
    rank's microbatches; the KL probe set (the first responses of the global batch);
 3. **policy update** (:mod:`.policy_update`): the preset's loss through Megatron's schedule, the
