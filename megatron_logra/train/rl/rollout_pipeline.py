@@ -20,8 +20,9 @@ old: :meth:`RolloutPipeline.take` refuses it.
 **Checkpoints.** A checkpoint holds the batches in flight (their responses, waited for at the save,
 and their versions): a resumed run trains on exactly the batches the uninterrupted run would have
 (no prompt lost, none repeated, the same samples), and requests the later ones as it would have.
-A stored batch older than the resumed run's ``max_staleness`` allows is dropped and generated
-again (the same prompts and seed, the resumed policy).
+A stored batch older than the resumed run's ``max_staleness`` allows, or sampled with another
+seed or ``rl.sampling``, is dropped and generated again (the step's prompts, the resumed
+policy).
 
 Collective over the trainer: every rank makes the same calls; world rank 0 holds the engine's
 queue (None elsewhere) and hands each batch to every rank.
@@ -160,7 +161,8 @@ class RolloutPipeline:
         for step in sorted(self._requests):
             request = self._requests[step]
             self._answer(request, f"rollout engine generate (step {step + 1}, for the checkpoint)")
-            batches.append({"step": step, "version": request.version,
+            batches.append({"step": step, "version": request.version, "seed": request.seed,
+                            "sampling": _sampling_key(request.params),
                             **_pack(request.responses)})
         return {"batches": batches}
 
@@ -182,6 +184,12 @@ class RolloutPipeline:
                     "the checkpoint's batch for step %d (policy version %d) is older than "
                     "rollout.max_staleness=%d allows: it is generated again (same prompts and "
                     "seed, the resumed policy)", step + 1, version, self.max_staleness)
+                continue
+            if (int(batch["seed"]), list(batch["sampling"])) != (seed_of(step),
+                                                                 _sampling_key(params)):
+                logger.warning(
+                    "the checkpoint's batch for step %d was sampled with another seed or "
+                    "rl.sampling than the resumed run's: it is generated again", step + 1)
                 continue
             self._requests[step] = _Request(prompts=prompts_of(step), params=params,
                                             seed=seed_of(step), version=version,
@@ -242,6 +250,11 @@ def async_step_metrics(taken: TakenBatch | None, calls: EngineQueue | None, *, s
             "rollout_wait_s": taken.wait_s, "generation_time_s": taken.generation_s,
             "trainer_idle_s": idle, "engine_busy_s": busy,
             "engine_idle_s": max(wall - busy, 0.0) if calls is not None else 0.0}
+
+
+def _sampling_key(params: SamplingParams) -> list[float]:
+    """What of the sampling a stored batch must share with the run that resumes it."""
+    return [float(params.max_new_tokens), float(params.temperature), float(params.top_p)]
 
 
 def _pack(responses: list[EngineResponse]) -> dict[str, torch.Tensor]:
