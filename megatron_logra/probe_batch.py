@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_logra.config import KLControlConfig
+from megatron_logra.context_parallel import split_batch
 from megatron_logra.data.lm_batches import Microbatch
 from megatron_logra.rl.rollout import PaddedRollout
 
@@ -61,3 +62,23 @@ def rollout_probe_batch(
         position_ids=padded.position_ids[:rows, :length].to(device),
         mask=padded.response_mask[:rows, :length].to(device),
     )
+
+
+def context_parallel_share(batch: ProbeBatch, cp_rank: int, cp_size: int,
+                           multiple: int) -> ProbeBatch:
+    """This CP rank's chunks of the probe sequences, after padding them at the end to a
+    multiple of ``multiple`` positions (2 * cp, times TP under sequence parallelism): padding
+    comes after every counted position, so under the causal mask it changes none of their
+    logits, and its mask is False."""
+    if cp_size == 1:
+        return batch
+    extra = -batch.tokens.shape[1] % multiple
+    if extra:
+        after = batch.position_ids[:, -1:] + torch.arange(1, extra + 1,
+                                                          device=batch.position_ids.device)
+        batch = ProbeBatch(
+            tokens=torch.nn.functional.pad(batch.tokens, (0, extra)),
+            position_ids=torch.cat([batch.position_ids, after], dim=1),
+            mask=torch.nn.functional.pad(batch.mask, (0, extra), value=False),
+        )
+    return split_batch(batch, cp_rank, cp_size)

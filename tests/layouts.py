@@ -27,6 +27,7 @@ TP1 = ["parallel.tp=1"]
 TP2 = ["parallel.tp=2"]
 SP = ["parallel.sp=true"]
 PP2 = ["parallel.pp=2"]
+CP2 = ["parallel.cp=2"]
 VPP2 = ["parallel.vpp=2"]
 DISTOPT = ["optimizer.use_distributed_optimizer=true"]
 
@@ -47,11 +48,16 @@ LAYOUTS: dict[str, Layout] = {
     "pp2_dp2_distopt": (4, [*TP1, *PP2, *DISTOPT]),
     "tp2_pp2": (4, [*TP2, *PP2]),
     "tp2_pp2_sp": (4, [*TP2, *PP2, *SP]),
+    # Context parallelism: each sequence split over 2 ranks (4 chunks), with TP and with DP.
+    "cp2": (2, [*TP1, *CP2]),
+    "tp2_cp2_sp": (4, [*TP2, *CP2, *SP]),
+    "dp2_cp2_distopt": (4, [*TP1, *CP2, *DISTOPT]),
 }
 
 # What each suite compares with its 1-process run.
-KL_CONTROL_LAYOUTS = ("tp2_sp", "pp2", "pp2_vpp2", "dp2", "tp2_dp2_sp_distopt")
-RL_LAYOUTS = ("tp2_sp", "dp2", "pp2")
+KL_CONTROL_LAYOUTS = ("tp2_sp", "pp2", "pp2_vpp2", "dp2", "tp2_dp2_sp_distopt", "tp2_cp2_sp",
+                      "dp2_cp2_distopt")
+RL_LAYOUTS = ("tp2_sp", "dp2", "pp2", "cp2")
 SGD_PARITY_LAYOUTS = ("tp1", "tp2_sp")
 # The 2-process jobs of the rollout engine and of the logit probe run these one after another
 # (workers/sampler_worker.py with LAYOUTS, workers/logit_jvp_worker.py with WORKER_LAYOUTS).
@@ -114,6 +120,13 @@ def norm_rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 # rounding of small rows slightly). The bounds leave ~5x headroom for other machines' BLAS.
 LOGRA_LAYOUT_LOSS_REL_TOL = 1e-6
 LOGRA_LAYOUT_WEIGHT_REL_TOL = 2e-5
+
+# Dense Adam (Megatron's, distributed optimizer), distributed/test_context_parallel.py: Adam's
+# first steps move every entry by ~lr * sign(g), so an entry whose gradient is at rounding level
+# can move the other way at another layout. Measured over 3 steps at lr 0.01: largest entry
+# 1.9e-4 of a tensor's largest for TP=2 vs TP=1 (no CP), 1.1e-4 for CP=2 vs CP=1; per-tensor
+# norm 1.4e-5 and 5.9e-6. The norm bound leaves ~4x headroom over the TP figure.
+DENSE_ADAM_LAYOUT_WEIGHT_NORM_REL_TOL = 5e-5
 
 # Resharded resume, e2e/test_checkpoint.py.
 # Resharding changes fp32 reduction order (TP all-reduces, pipeline stages): the layout

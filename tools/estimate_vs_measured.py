@@ -3,13 +3,16 @@
     python tools/estimate_vs_measured.py                       # bench model, 1x2048, fp32+bf16
     python tools/estimate_vs_measured.py --seq-lengths 2048,8192 --recompute none,full
     python tools/estimate_vs_measured.py --hidden 256 --ffn 1024 --seq-lengths 512 --json
+    torchrun --nproc_per_node=2 tools/estimate_vs_measured.py --cp 2 --seq-lengths 2048
 
 For every (sequence length, precision, attention, recompute mode, method) this builds the run's
 own model and optimizer from config overrides (``megatron_logra.mcore.training.step_peak``: the
 live-tensor tracker, one warm-up step, then one measured step, the realised-KL pass included
 under KL control) and prints the measured peak beside
 :func:`megatron_logra.memory.from_config.estimate_for_config` of the same config, with the
-relative error. One process, one rank (tp = pp = dp = 1), CPU.
+relative error. One process, one rank (tp = pp = dp = 1), CPU; with ``--cp N``, N processes
+under torchrun (context parallelism: each sequence split over them), the measured peak being
+the largest of any rank's, which is what the estimate describes.
 
 Methods: ``dense_adam`` (Megatron's Adam on everything), ``lora`` (frozen base, Adam on rank-r
 adapters), ``logra`` (library mode: RowAdam on sketched targets, Adam on the rest) and
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -74,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="comma-separated DTYPE:ATTENTION:RECOMPUTE triples, instead of "
                         "the product of --dtypes, --attention and --recompute")
     parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--cp", type=int, default=1,
+                        help="parallel.cp: run under torchrun --nproc_per_node=CP")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
     return parser
@@ -88,7 +94,7 @@ def overrides(args: argparse.Namespace, *, method: str, dtype: str, attention: s
     if method not in METHOD_OVERRIDES:
         raise ValueError(f"--methods contains {method!r}; choose from {list(METHODS)}")
     return [
-        "parallel.device=cpu", "parallel.tp=1",
+        "parallel.device=cpu", "parallel.tp=1", f"parallel.cp={args.cp}",
         f"model.num_layers={args.layers}", f"model.hidden_size={args.hidden}",
         f"model.num_attention_heads={args.heads}", f"model.ffn_hidden_size={args.ffn}",
         f"model.seq_length={seq_length}", f"model.vocab_size={args.vocab}",
@@ -122,11 +128,18 @@ def moe_overrides(args: argparse.Namespace) -> list[str]:
 
 def compare(cfg: Any, groups: Any, vocab_size: int) -> dict[str, Any]:
     """One configuration: measured peak, estimate, relative error (all bytes)."""
+    import torch.distributed as dist
+
     from megatron_logra.mcore.training.step_peak import as_dict, measure_step_peak
     from megatron_logra.memory.from_config import estimate_for_config
 
     start = time.perf_counter()
     measured = measure_step_peak(cfg, groups, vocab_size=vocab_size)
+    if groups.world_size > 1:
+        # The estimate is one GPU's: the largest rank's (CP ranks differ in their chunks).
+        every: list[Any] = [None] * groups.world_size
+        dist.all_gather_object(every, measured)
+        measured = max(every, key=lambda peak: peak.peak_bytes)
     estimate = estimate_for_config(cfg, vocab_size=vocab_size)
     return {
         "measured": as_dict(measured),
@@ -141,7 +154,11 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     import torch
 
     from megatron_logra.config import load_config
-    from megatron_logra.mcore.process_groups import destroy_parallel, init_parallel
+    from megatron_logra.mcore.process_groups import (
+        destroy_parallel,
+        init_parallel,
+        world_size_from_env,
+    )
 
     torch.set_num_threads(args.threads)
     triples = [(d, a, r) for d in _split(args.dtypes) for a in _split(args.attention)
@@ -162,16 +179,20 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     groups = None
     try:
         for seq, dtype, attention, recompute, method in grid:
+            if world_size_from_env() != args.cp:
+                raise ValueError(f"--cp={args.cp} needs as many processes: run under torchrun "
+                                 f"--nproc_per_node={args.cp} (this world has "
+                                 f"{world_size_from_env()})")
             cfg = load_config(None, overrides(args, method=method, dtype=dtype,
                                               attention=attention, recompute=recompute,
-                                              seq_length=seq)).resolved(1)
+                                              seq_length=seq)).resolved(args.cp)
             if groups is None:
                 groups = init_parallel(cfg)
             row = {"seq_length": seq, "dtype": dtype, "attention": attention,
                    "recompute": recompute, "method": method}
             row.update(compare(cfg, groups, args.vocab))
             rows.append(row)
-            if not args.json:
+            if not args.json and groups.world_rank == 0:
                 print(format_row(row), flush=True)
     finally:
         if groups is not None:
@@ -199,16 +220,19 @@ def format_row(row: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    first = os.environ.get("RANK", "0") == "0"  # under torchrun (--cp) one rank reports
     try:
         for method in _split(args.methods):
             if method not in METHOD_OVERRIDES:
                 raise ValueError(f"--methods contains {method!r}; choose from {list(METHODS)}")
-        if not args.json:
+        if not args.json and first:
             print(HEADER, flush=True)
         rows = run(args)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    if not first:
+        return 0
     if args.json:
         print(json.dumps(rows, indent=1))
     worst = max(abs(row["relative_error"]) for row in rows)

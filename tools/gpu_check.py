@@ -21,6 +21,10 @@ Sections (one function each, returning its figures):
 * ``te_spec``: ``model.attention=te`` against ``model.attention=local``, bf16, a few steps: losses;
 * ``memory``: ``tools/bench_methods.py --device cuda`` on a ~1B-shaped GPT at 4096 tokens:
   ``torch.cuda.max_memory_allocated`` of dense Adam, LoRA and LoGRA beside the estimator's total;
+* ``context_parallel``: the tiny GPT at CP=2 (two GPUs, NCCL) against CP=1: the ``sdpa``
+  all-gather attention on CUDA's kernels (bottom-right causal bias) under LoGRA's paper mode
+  with KL control, fp32 and bf16 (losses, alpha, weights); and, with Transformer Engine, TE's
+  own context parallelism (``parallel.cp_comm_type`` p2p and all_gather) against TE at CP=1;
 * ``master_merge``: ``tools/bench_master_merge.py --device cuda``: one merge per master store;
 * ``sync_megatron``: the RL job's Megatron engine on its own GPU kept in step by low-rank sync
   over the NCCL channel; bytes and sync time against full sync (tools/gpu_check_sync.py);
@@ -97,7 +101,13 @@ MERGE_SHAPES = ((4096, 4096), (28672, 4096))  # a square projection; a 7B-sized 
 # memory gets most: bench_methods starts 4 processes, and the model's layout-invariant
 # initialisation draws every full weight from a CPU generator (1e9 normals per model).
 BUDGET_S = {"tp_parity": 130, "te_spec": 70, "memory": 240, "master_merge": 30,
-            "moe_grouped": 60}
+            "moe_grouped": 60, "context_parallel": 200}
+# CP=2 vs CP=1 changes the order of sums as TP=2 does -- each chunk's softmax over the gathered
+# keys, the keys' gradients reduce-scattered, the DP x CP reduction of sketches -- so the
+# tp_parity bounds apply; alpha is sqrt(budget / m) with m a float64 mean of squared tangents:
+# half m's relative error, taken as the loss's bound.
+CP_PARITY = {"fp32": (FP32_TP_LOSS_RTOL, FP32_TP_WEIGHT_RTOL),
+             "bf16": (BF16_TP_LOSS_RTOL, BF16_TP_WEIGHT_RTOL)}
 # Grouped bf16 expert sketches vs the fp32 per-expert loop: bf16 inputs and one bf16 rounding of
 # each P and S entry (2^-8 relative), summed over hundreds of tokens (the CPU run: 2.3e-3).
 GROUPED_SKETCH_BF16_REL = 2e-2
@@ -261,9 +271,60 @@ def moe_grouped(out: Path) -> dict[str, Any]:
     return figures
 
 
+def _metric(run_dir: Path, name: str) -> list[float]:
+    with open(run_dir / "metrics.jsonl") as handle:
+        records = [json.loads(line) for line in handle if line.strip()]
+    return [float(r[name]) for r in records if name in r]
+
+
+def context_parallel(out: Path) -> dict[str, Any]:
+    """CP=2 over NCCL against CP=1 on the tiny GPT: sdpa (paper mode, KL control) in fp32 and
+    bf16; TE's own CP (p2p, all_gather) in bf16 when Transformer Engine is installed."""
+    require(gpus_missing(2), nccl_missing())
+    deadline = time.monotonic() + BUDGET_S["context_parallel"]
+    data = synthetic_data(out, deadline)
+    base = ["parallel.device=cuda", "parallel.tp=1", "parallel.sp=false", f"data.dir={data}",
+            f"train.steps={PARITY_STEPS}", "train.micro_batch_size=8",
+            "train.global_batch_size=16", "optimizer.name=logra", "model.num_query_groups=2",
+            "run.save_full_weights=true"]
+    paper = ["logra.mode=paper", "logra.kl_control.enabled=true", "logra.update_factor_dtype=fp32"]
+    figures: dict[str, Any] = {}
+    bad = []
+    for dtype, (loss_tol, weight_tol) in CP_PARITY.items():
+        runs = {cp: _cli_train(cp, [*base, *paper, f"parallel.cp={cp}",
+                                    f"model.params_dtype={dtype}"],
+                               out / "context_parallel" / f"sdpa_{dtype}_cp{cp}", deadline)
+                for cp in (1, 2)}
+        checks = {
+            f"sdpa_{dtype}_loss_rel_diff": (_loss_rel_diff(_losses(runs[2]), _losses(runs[1])),
+                                            loss_tol),
+            f"sdpa_{dtype}_alpha_rel_diff": (_loss_rel_diff(_metric(runs[2], "alpha"),
+                                                            _metric(runs[1], "alpha")), loss_tol),
+            f"sdpa_{dtype}_weight_rel_diff": (_weight_rel_diff(runs[2], runs[1]), weight_tol),
+        }
+        for name, (value, tolerance) in checks.items():
+            if not within(figures, name, value, tolerance):
+                bad.append(f"{name} {value:.2e} > {tolerance:.0e}")
+    if te_missing():
+        figures["te"] = f"not run: {te_missing()}"
+    else:
+        te = [*base, "logra.mode=library", "model.attention=te", "model.params_dtype=bf16"]
+        reference = _cli_train(1, te, out / "context_parallel" / "te_cp1", deadline)
+        for comm in ("p2p", "all_gather"):
+            run = _cli_train(2, [*te, "parallel.cp=2", f"parallel.cp_comm_type={comm}"],
+                             out / "context_parallel" / f"te_cp2_{comm}", deadline)
+            value = _loss_rel_diff(_losses(run), _losses(reference))
+            if not within(figures, f"te_{comm}_loss_rel_diff", value, BF16_TP_LOSS_RTOL):
+                bad.append(f"te {comm} loss differs by {value:.2e} > {BF16_TP_LOSS_RTOL:.0e}")
+    if bad:
+        raise SectionFailed("; ".join(bad), figures)
+    return figures
+
+
 SECTIONS: dict[str, Callable[[Path], dict[str, Any]]] = {
     "tp_parity": tp_parity, "te_spec": te_spec, "memory": memory,
-    "master_merge": master_merge, "moe_grouped": moe_grouped, **gpu_check_sync.SECTIONS,
+    "master_merge": master_merge, "moe_grouped": moe_grouped,
+    "context_parallel": context_parallel, **gpu_check_sync.SECTIONS,
 }
 
 
@@ -307,7 +368,7 @@ def _figure_line(record: Record) -> str:
     """The compared figures (with their tolerances) or the measurements, in words. A failed
     section may hold only some of its figures: print what is there."""
     f = record.figures
-    if record.section in ("tp_parity", "te_spec"):
+    if record.section in ("tp_parity", "te_spec", "context_parallel"):
         return "  " + ", ".join(
             f"{name} {value:.1e}" + (f" (tolerance {f[name + '_tolerance']:.0e})"
                                      if name + "_tolerance" in f else "")

@@ -4,6 +4,7 @@
     python tools/memory_estimator.py --preset gemma3-27b --gpus 8 --tp 8 --gpu-mem-gib 80 --json
     python tools/memory_estimator.py --config configs/demo_cpu.yaml --tp 1
     python tools/memory_estimator.py --config configs/qwen2.5-7b.yaml --max-staleness 1
+    python tools/memory_estimator.py --preset gemma3-27b --gpus 8 --tp 2 --cp 4 --seq-length 32768
     python tools/memory_estimator.py --compare-seeds
 
 Numbers are estimates for one GPU of the first pipeline stage (see megatron_logra/memory/estimate.py
@@ -76,9 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "instead of Korthikanti's accounting without recompute")
     lay = parser.add_argument_group("layout (flags override --config)")
     lay.add_argument("--tp", type=int)
+    lay.add_argument("--cp", type=int, help="context parallelism: each sequence split over cp "
+                                            "GPUs (default 1; --config: parallel.cp)")
     lay.add_argument("--pp", type=int)
     lay.add_argument("--vpp", type=int, help="virtual pipeline stages (interleaved schedule)")
-    lay.add_argument("--dp", type=int, help="default: --gpus / (tp * pp), else 1")
+    lay.add_argument("--dp", type=int, help="default: --gpus / (tp * cp * pp), else 1")
     lay.add_argument("--ep", type=int, help="expert parallelism of an MoE --config (default: "
                                             "the config's parallel.ep)")
     lay.add_argument("--micro-batch-size", type=int)
@@ -104,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
                       default=None, help="Megatron's distributed optimizer (default on for "
                                          "presets; the config's setting for --config)")
     fit = parser.add_argument_group("capacity")
-    fit.add_argument("--gpus", type=int, help="GPUs in the job (default tp * pp * dp)")
+    fit.add_argument("--gpus", type=int, help="GPUs in the job (default tp * cp * pp * dp)")
     fit.add_argument("--gpu-mem-gib", type=float, default=DEFAULT_GPU_MEM_GIB,
                      help=f"memory of one GPU (default {DEFAULT_GPU_MEM_GIB:g})")
     parser.add_argument("--max-staleness", type=int,
@@ -142,7 +145,8 @@ def _config_defaults(args: argparse.Namespace) -> tuple[ModelShape, dict[str, An
         vocab = int(json.loads(meta.read_text())["vocab_size"])
     shape = shape_from_model_config(cfg.model, vocab_size=vocab, name=Path(args.config).stem)
     layout = {
-        "tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "vpp": cfg.parallel.vpp,
+        "tp": cfg.parallel.tp, "cp": cfg.parallel.cp, "cpu": cfg.parallel.device == "cpu",
+        "pp": cfg.parallel.pp, "vpp": cfg.parallel.vpp,
         "dp": cfg.parallel.dp, "ep": cfg.parallel.ep,
         "micro_batch_size": cfg.train.micro_batch_size, "seq_length": cfg.model.seq_length,
         "sequence_parallel": cfg.parallel.sp,
@@ -206,7 +210,8 @@ def resolve(args: argparse.Namespace) -> Request:
         shape, base, settings = _config_defaults(args)
     elif args.preset:
         shape = preset(args.preset)
-        base = {"tp": 1, "pp": 1, "vpp": None, "dp": None, "micro_batch_size": 1,
+        base = {"tp": 1, "cp": 1, "cpu": False, "pp": 1, "vpp": None, "dp": None,
+                "micro_batch_size": 1,
                 "seq_length": DEFAULT_SEQ_LENGTH, "sequence_parallel": None, "ep": 1,
                 "recompute": "selective", "attention": None, "recompute_num_layers": 1,
                 "global_batch_size": None}
@@ -217,18 +222,20 @@ def resolve(args: argparse.Namespace) -> Request:
         return default if flag is None else flag
 
     tp = pick(args.tp, base["tp"])
+    cp = pick(args.cp, base["cp"])
     pp = pick(args.pp, base["pp"])
     dp = pick(args.dp, base["dp"])
-    if tp < 1 or pp < 1:
-        raise ValueError(f"--tp={tp} and --pp={pp} must be positive integers")
+    if tp < 1 or cp < 1 or pp < 1:
+        raise ValueError(f"--tp={tp}, --cp={cp} and --pp={pp} must be positive integers")
+    replica = tp * cp * pp
     if args.gpus is not None:
-        if args.gpus % (tp * pp):
-            raise ValueError(f"--gpus={args.gpus} is not divisible by tp * pp = {tp * pp}; "
+        if args.gpus % replica:
+            raise ValueError(f"--gpus={args.gpus} is not divisible by tp * cp * pp = {replica}; "
                              "choose a multiple of it")
-        if dp is not None and dp * tp * pp != args.gpus:
-            raise ValueError(f"--gpus={args.gpus} but tp * pp * dp = {tp * pp * dp}; drop --dp or "
-                             "make them agree")
-        dp = args.gpus // (tp * pp)
+        if dp is not None and dp * replica != args.gpus:
+            raise ValueError(f"--gpus={args.gpus} but tp * cp * pp * dp = {dp * replica}; drop "
+                             "--dp or make them agree")
+        dp = args.gpus // replica
     dp = pick(dp, 1)
     mbs = pick(args.micro_batch_size, base["micro_batch_size"])
     sp = args.sequence_parallel
@@ -238,7 +245,8 @@ def resolve(args: argparse.Namespace) -> Request:
     if num_microbatches is None and base["global_batch_size"] is not None and mbs * dp >= 1:
         num_microbatches = max(1, base["global_batch_size"] // (mbs * dp))
     layout = Layout(
-        tp=tp, pp=pp, vpp=pick(args.vpp, base["vpp"]), dp=dp, ep=pick(args.ep, base["ep"]),
+        tp=tp, cp=cp, cpu=base["cpu"], pp=pp, vpp=pick(args.vpp, base["vpp"]), dp=dp,
+        ep=pick(args.ep, base["ep"]),
         micro_batch_size=mbs,
         seq_length=pick(args.seq_length, base["seq_length"]), sequence_parallel=sp,
         recompute=pick(args.recompute, base["recompute"]), num_microbatches=num_microbatches,
@@ -310,7 +318,8 @@ def _describe(shape: ModelShape, layout: Layout, st: MethodSettings) -> list[str
         f"layers, hidden {shape.hidden_size}, ffn {shape.ffn_hidden_size}, "
         f"{shape.num_attention_heads} heads / {shape.num_query_groups} groups x "
         f"{shape.head_dim}, vocab {shape.vocab_size}, {tied} embeddings)",
-        f"layout: tp={layout.tp} pp={layout.pp} vpp={vpp} dp={layout.dp} = {layout.gpus} GPUs | "
+        f"layout: tp={layout.tp} cp={layout.cp} pp={layout.pp} vpp={vpp} dp={layout.dp} = "
+        f"{layout.gpus} GPUs | "
         f"micro-batch {layout.micro_batch_size} x {layout.seq_length} tokens | sequence parallel "
         f"{'on' if layout.sequence_parallel else 'off'} | recompute {layout.recompute} | "
         f"attention {layout.attention or 'as Korthikanti et al.'} | "

@@ -15,6 +15,7 @@ DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
 ATTENTIONS: tuple[str, ...] = ("sdpa", "local", "te")
 RECOMPUTES: tuple[str, ...] = ("none", "selective", "full")
 RECOMPUTE_METHODS: tuple[str, ...] = ("uniform", "block")
+CP_COMM_TYPES: tuple[str, ...] = ("p2p", "all_gather", "a2a")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -168,9 +169,17 @@ class ModelConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
-    """The parallel layout. ``dp`` follows from the world size: world = tp * pp * dp."""
+    """The parallel layout. ``dp`` follows from the world size: world = tp * cp * pp * dp."""
 
     tp: int = 1
+    cp: int = 1
+    """Context parallelism: each sequence is split over ``cp`` ranks in ``2 * cp`` chunks
+    (Megatron's load-balanced causal split); weights are replicated over them, gradients and
+    sketches reduced over DP x CP (megatron_logra.config.context_parallel checks the rest)."""
+    cp_comm_type: str | None = None
+    """Transformer Engine's context-parallel attention (``model.attention=te``): ``p2p``
+    (TE's default), ``all_gather`` or ``a2a``. The ``sdpa`` attention always all-gathers the
+    keys and values over the CP group."""
     pp: int = 1
     vpp: int | None = None
     """Virtual pipeline stages per rank (interleaved 1F1B); None for the plain 1F1B schedule."""
@@ -192,6 +201,9 @@ class ParallelConfig:
 
     def validate(self, path: str = "parallel") -> None:
         check_positive(f"{path}.tp", self.tp)
+        check_positive(f"{path}.cp", self.cp)
+        if self.cp_comm_type is not None:
+            check_choice(f"{path}.cp_comm_type", self.cp_comm_type, CP_COMM_TYPES)
         check_positive(f"{path}.collective_timeout_s", self.collective_timeout_s)
         check_positive(f"{path}.pp", self.pp)
         check_positive(f"{path}.ep", self.ep)

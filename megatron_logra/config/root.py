@@ -7,6 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron_logra.config.context_parallel import check_cp_run
 from megatron_logra.config.model import ModelConfig, ParallelConfig
 from megatron_logra.config.moe import check_moe_run
 from megatron_logra.config.optim import (
@@ -70,7 +71,13 @@ class Config:
                 )
         self._check_low_rank_widths()
         self._check_rollout_and_sync()
+        if self.rl.loss.correction.name == "seq_mask_tis" and self.parallel.cp > 1:
+            raise ValueError(
+                f"rl.loss.correction.name=seq_mask_tis masks whole responses by their mean "
+                f"log-ratio, and under parallel.cp={self.parallel.cp} each rank holds only part "
+                "of every response; use tis or icepop, or parallel.cp=1")
         check_moe_run(self)
+        check_cp_run(self)
         if self.rl.sampling.max_new_tokens >= m.seq_length:
             raise ValueError(
                 f"rl.sampling.max_new_tokens={self.rl.sampling.max_new_tokens} leaves no room for "
@@ -223,17 +230,19 @@ class Config:
             raise ValueError(f"command {command!r} is not one of {list(COMMANDS)}")
         cfg = self._derive_for_rl() if command == "rl" else self._derive_for_supervised()
         p, t = cfg.parallel, cfg.train
-        model_parallel = p.tp * p.pp
+        # A data-parallel replica: tp * cp * pp ranks (CP ranks hold the same sequences).
+        model_parallel = p.tp * p.cp * p.pp
         if world_size % model_parallel:
             raise ValueError(
-                f"world size {world_size} is not divisible by parallel.tp * parallel.pp = "
-                f"{model_parallel}; launch a multiple of {model_parallel} processes"
+                f"world size {world_size} is not divisible by parallel.tp * parallel.cp * "
+                f"parallel.pp = {model_parallel}; launch a multiple of {model_parallel} processes"
             )
         dp = world_size // model_parallel
         if p.dp is not None and p.dp != dp:
             raise ValueError(
-                f"parallel.dp={p.dp} but world size {world_size} with tp={p.tp}, pp={p.pp} "
-                f"gives dp={dp}; drop parallel.dp or launch {p.dp * model_parallel} processes"
+                f"parallel.dp={p.dp} but world size {world_size} with tp={p.tp}, cp={p.cp}, "
+                f"pp={p.pp} gives dp={dp}; drop parallel.dp or launch {p.dp * model_parallel} "
+                "processes"
             )
         if t.global_batch_size % (t.micro_batch_size * dp):
             raise ValueError(

@@ -23,11 +23,14 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ParallelGroups:
-    """The groups and coordinates of this rank in the (tp, pp, dp) layout.
+    """The groups and coordinates of this rank in the (tp, cp, pp, dp) layout.
 
     Attributes:
         tp: tensor-parallel group (row-parallel sketches are partial sums over it).
-        dp: data-parallel group (with context parallelism, as Megatron reduces grads).
+        dp: data-parallel group *with* context parallelism (DP x CP ranks), over which Megatron
+            reduces gradients and we reduce sketches and shard masters; ``dp_rank`` and
+            ``dp_size`` are its coordinates. Which sequences a rank trains on is ``data_rank``
+            of ``data_size`` (the CP ranks of one replica hold the same sequences).
         tp_dp: tensor-and-data-parallel group (one collective for TP partials and the DP sum).
         mp: model-parallel group (tp x pp): gradient statistics of replicated-over-DP tensors.
         pp: pipeline group.
@@ -61,6 +64,15 @@ class ParallelGroups:
     """Expert-data-parallel group: the ranks holding the same experts (sketches sum over it)."""
     expert_mp: dist.ProcessGroup | None = None
     """Expert tensor x expert x pipeline parallel: every expert shard once (statistics)."""
+    # Context parallelism: each sequence split over ``cp_size`` ranks (2 * cp_size chunks).
+    cp: dist.ProcessGroup | None = None
+    cp_rank: int = 0
+    cp_size: int = 1
+    data_rank: int = 0
+    """Data-parallel rank without CP: which share of the global batch's sequences this rank
+    holds (``dp_rank`` when cp = 1; the CP ranks of one replica hold the same sequences)."""
+    data_size: int = 1
+    """Data-parallel replicas, ``parallel.dp`` (``dp_size`` when cp = 1)."""
 
     @property
     def expert_dp_size(self) -> int:
@@ -129,12 +141,14 @@ def init_parallel(cfg: Config) -> ParallelGroups:
 
     world_size = dist.get_world_size()
     p = cfg.parallel
-    if p.dp is None or p.tp * p.pp * p.dp != world_size:
+    if p.dp is None or p.tp * p.cp * p.pp * p.dp != world_size:
         raise RuntimeError(
-            f"config layout tp={p.tp} pp={p.pp} dp={p.dp} does not match world size {world_size}"
+            f"config layout tp={p.tp} cp={p.cp} pp={p.pp} dp={p.dp} does not match world size "
+            f"{world_size}"
         )
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=p.tp,
+        context_parallel_size=p.cp,
         pipeline_model_parallel_size=p.pp,
         virtual_pipeline_model_parallel_size=p.vpp,
         expert_model_parallel_size=p.ep,
@@ -164,11 +178,16 @@ def init_parallel(cfg: Config) -> ParallelGroups:
         ep=parallel_state.get_expert_model_parallel_group(),
         expert_dp=parallel_state.get_expert_data_parallel_group(),
         expert_mp=parallel_state.get_expert_tensor_model_pipeline_parallel_group(),
+        cp=parallel_state.get_context_parallel_group(),
+        cp_rank=parallel_state.get_context_parallel_rank(),
+        cp_size=parallel_state.get_context_parallel_world_size(),
+        data_rank=parallel_state.get_data_parallel_rank(),
+        data_size=parallel_state.get_data_parallel_world_size(),
     )
     logger.info(
-        "rank %d: tp %d/%d dp %d/%d pp %d/%d on %s (%s)", groups.world_rank, groups.tp_rank,
-        groups.tp_size, groups.dp_rank, groups.dp_size, groups.pp_rank, groups.pp_size,
-        device, backend,
+        "rank %d: tp %d/%d cp %d/%d dp %d/%d pp %d/%d on %s (%s)", groups.world_rank,
+        groups.tp_rank, groups.tp_size, groups.cp_rank, groups.cp_size, groups.data_rank,
+        groups.data_size, groups.pp_rank, groups.pp_size, device, backend,
     )
     return groups
 

@@ -118,7 +118,8 @@ def layer_activation_terms(
         score_bytes = e + ((DROPOUT_MASK_BYTES + e) if shape.dropout else 0)
         heads = shape.num_attention_heads / t
         terms["attention_scores"] = (
-            heads * layout.seq_length * layout.seq_length * layout.micro_batch_size * score_bytes
+            heads * layout.local_seq_length * layout.seq_length * layout.micro_batch_size
+            * score_bytes
         )
     else:
         # Selective recompute keeps the inputs of the recomputed core attention: q, k, v.
@@ -171,9 +172,11 @@ def built_layer_terms(
     terms["input_norm"] = built_layer.norm_saved_bytes(
         shape, T_s, weight_trained=norms_trained)
     terms["linear_qkv_input"], terms["linear_qkv_lowrank"] = linear("linear_qkv")
-    terms["qkv_output"] = built_layer.qkv_output_bytes(shape, layout, e)
+    # Context-parallel attention saved with its layer keeps gathered keys and values instead.
+    gathered = layout.cp > 1 and recompute == "none"
+    terms["qkv_output"] = built_layer.qkv_output_bytes(shape, layout, e, cp_gathered=gathered)
     terms["qk_norm"] = built_layer.qk_norm_saved_bytes(shape, layout, e)
-    terms["rotary"] = built_layer.rotary_bytes(shape, layout, e)
+    terms["rotary"] = built_layer.rotary_bytes(shape, layout, e, cp_gathered=gathered)
     if recompute == "none":
         terms["core_attention"] = built_layer.core_attention_bytes(
             shape, layout, e, proj_keeps_input=proj_keeps_input)

@@ -13,6 +13,12 @@ sequence shard, ``t`` = tp, ``e`` the activation element bytes, ``h``, ``F``, ``
 ``te`` uses Transformer Engine's fused attention and norms on a GPU; it has not been measured
 (no GPU was lent): it is counted like ``sdpa`` (a fused kernel keeping q, k, v, its output and
 the fp32 log-sum-exp), the nearest measured kind.
+
+Context parallelism (``layout.cp > 1``; ``T`` is then a rank's share of the tokens): the
+attention (``mcore/models/cp_attention.py``) keeps the keys and values of the whole sequence,
+all-gathered, instead of its own rotated keys and the qkv output its values were views of; it
+concatenates the outputs of its two chunks, so ``linear_proj``'s input is a copy of them; on the
+CPU it keeps its additive bottom-right masks between steps (:func:`cp_mask_bytes`).
 """
 
 from __future__ import annotations
@@ -54,18 +60,23 @@ def qk_norm_saved_bytes(shape: ModelShape, layout: Layout, e: int) -> float:
     return upcast + FP32_BYTES * T * widths / t + FP32_BYTES * T * heads / t
 
 
-def qkv_output_bytes(shape: ModelShape, layout: Layout, e: int) -> float:
+def qkv_output_bytes(shape: ModelShape, layout: Layout, e: int, *,
+                     cp_gathered: bool = False) -> float:
     """The ``[T, qd + 2 kvd]`` output of ``linear_qkv``: the value heads passed on to core
     attention are views of it, so the whole storage lives as long as they are saved."""
     if layout.attention == "local" and shape.num_query_groups < shape.num_attention_heads:
         return 0.0  # local expands (copies) the grouped values, which frees the views
+    if cp_gathered:
+        return 0.0  # the values are gathered over CP into a new tensor (core_attention_bytes)
     return e * layout.tokens * (shape.query_width + 2 * shape.kv_width) / layout.tp
 
 
-def rotary_bytes(shape: ModelShape, layout: Layout, e: int) -> float:
-    """Rotated queries and keys (new tensors, ``[T, qd + kvd]``) and the rotary tables."""
+def rotary_bytes(shape: ModelShape, layout: Layout, e: int, *, cp_gathered: bool = False) -> float:
+    """Rotated queries and keys (new tensors, ``[T, qd + kvd]``; ``cp_gathered``: the keys are
+    kept gathered over CP instead) and the rotary tables."""
     T, t = layout.tokens, layout.tp
-    rotated = e * T * (shape.query_width + shape.kv_width) / t
+    keys = 0 if cp_gathered else shape.kv_width
+    rotated = e * T * (shape.query_width + keys) / t
     return rotated + ROTARY_TABLES * e * T * shape.head_dim
 
 
@@ -91,7 +102,13 @@ def core_attention_bytes(shape: ModelShape, layout: Layout, e: int, *,
             expanded = 2 * e * T * qd / t  # repeat_interleave'd keys and values
         context = e * T * qd / t if proj_keeps_input else 0.0
         return probs + CAUSAL_MASK_BYTES * s * s + expanded + context
-    return e * T * qd / t + FP32_BYTES * T * heads
+    saved = e * T * qd / t + FP32_BYTES * T * heads
+    if layout.cp > 1:
+        # The whole sequence's keys and values, and linear_proj's copy of the two chunks'
+        # concatenated outputs when it keeps its input.
+        saved += e * s * b * 2 * shape.kv_width / t
+        saved += e * T * qd / t if proj_keeps_input else 0.0
+    return saved
 
 
 def gated_mlp_bytes(shape: ModelShape, layout: Layout, e: int) -> float:
@@ -128,7 +145,7 @@ def freed_before_backward_peak(shape: ModelShape, layout: Layout, e: int, *,
     if layout.recompute == "full":
         if e == FP32_BYTES:
             freed += e * layout.sharded_tokens * shape.hidden_size
-        freed -= FP32_BYTES * layout.seq_length * shape.head_dim
+        freed -= FP32_BYTES * layout.local_seq_length * shape.head_dim
     return freed
 
 
@@ -184,6 +201,18 @@ def local_recompute_moment(shape: ModelShape, layout: Layout, e: int, *,
 def cross_entropy_target_bytes(layout: Layout) -> float:
     """Megatron's vocab-parallel cross entropy keeps the masked int64 targets and a bool mask."""
     return (TOKEN_ID_BYTES + 1) * layout.tokens
+
+
+def cp_mask_bytes(layout: Layout, e: int, seq_length: int | None = None) -> float:
+    """The CPU's additive bottom-right masks of context-parallel attention, made once per
+    shape and kept between steps (CUDA's kernels need none): rank ``r`` masks its chunks
+    ``c > 0``, ``[L, (c + 1) L]`` each (``L = s / 2 cp``); the largest rank's two chunks
+    ``r, 2 cp - 1 - r`` with ``r > 0`` hold ``(2 cp + 1) L^2``. ``seq_length``: another
+    sequence length than the layout's (the KL probe's)."""
+    if layout.cp == 1 or not layout.cpu or layout.attention == "local":
+        return 0.0
+    chunk = (seq_length or layout.seq_length) / (2 * layout.cp)
+    return e * (2 * layout.cp + 1) * chunk * chunk
 
 
 def local_attention_buffer_bytes(shape: ModelShape, layout: Layout, e: int) -> float:

@@ -77,7 +77,7 @@ from megatron_logra.memory.activations import (
     layer_activation_terms,
     stage_activation_bytes,
 )
-from megatron_logra.memory.built_layer import local_attention_buffer_bytes
+from megatron_logra.memory.built_layer import cp_mask_bytes, local_attention_buffer_bytes
 from megatron_logra.memory.megatron_formula import MegatronFormula, megatron_formula
 from megatron_logra.memory.shapes import (
     FP32_BYTES,
@@ -271,7 +271,7 @@ def _model_extras(shape: ModelShape, layout: Layout, activations: ActivationBrea
                   e: int) -> dict[str, float]:
     """The model's persistent work buffers and the backward's temporaries (both 0 under
     Korthikanti's accounting, ``layout.attention`` None)."""
-    return {"buffers": local_attention_buffer_bytes(shape, layout, e),
+    return {"buffers": local_attention_buffer_bytes(shape, layout, e) + cp_mask_bytes(layout, e),
             "temporaries": activations.temporaries}
 
 
@@ -291,7 +291,7 @@ def dense_adam_memory(
     check_choice("precision", precision, PRECISIONS)
     params = stage_parameters(shape, layout)
     weights, grads, state = adam_bytes(params.targets + params.non_targets, precision,
-                                       distributed_optimizer, layout.dp)
+                                       distributed_optimizer, layout.dp_cp)
     experts = expert_bytes(shape, layout, method="dense_adam", precision=precision,
                            distributed_optimizer=distributed_optimizer)
     weights += experts["weights"]
@@ -325,7 +325,7 @@ def lora_memory(
     params = stage_parameters(shape, layout)
     adapters = lora_adapter_parameters(shape, layout, lora_rank, targets)
     a_weights, a_grads, a_state = adam_bytes(adapters, precision, distributed_optimizer,
-                                              layout.dp)
+                                              layout.dp_cp)
     base = element_bytes(precision) * (params.targets + params.non_targets)
     modes = {name: ("lora" if name in targets else "frozen") for name in TARGET_LINEARS}
     activations = stage_activation_bytes(
@@ -370,11 +370,11 @@ def logra_memory(
     e = element_bytes(adam_precision)
     if non_targets == "adam":
         weights, grads, state = adam_bytes(params.non_targets, adam_precision,
-                                            distributed_optimizer, layout.dp)
+                                            distributed_optimizer, layout.dp_cp)
     else:
         weights, grads, state = e * params.non_targets, 0.0, 0.0
     weights += e * params.targets
-    shard = layout.dp if sharded else 1
+    shard = layout.dp_cp if sharded else 1
     state += LOGRA_MASTER_GPU_BYTES[precision] * params.targets / shard  # master shard
     host = FP32_BYTES * params.targets / shard if precision == "bf16_host_master" else 0.0
     state += FP32_BYTES * rows / shard  # RowAdam second moment, one per output row
@@ -399,9 +399,12 @@ def logra_memory(
         # The proposal holds -lr D of every target, fp32, gathered over DP: sketch-sized.
         after_backward = max(after_backward, kl_probe_bytes(
             shape, layout, kl_probe, e, direction_bytes=sketches))
+    extras = _model_extras(shape, layout, activations, e)
+    if kl_probe is not None and kl_probe.padded(layout) != layout.seq_length:
+        # The probe's own sequence length gets masks of its own (CPU, context parallelism).
+        extras["buffers"] += cp_mask_bytes(layout, e, kl_probe.padded(layout))
     return MemoryBreakdown("logra", precision, weights, grads, state, sketches, projections,
-                           activations.at_peak, host_optimizer_state=host,
-                           **_model_extras(shape, layout, activations, e),
+                           activations.at_peak, host_optimizer_state=host, **extras,
                            after_backward=after_backward)
 
 

@@ -40,7 +40,8 @@ def layout_of(cfg: Config) -> Layout:
     dp = p.dp or 1
     full = m.full_recompute
     return Layout(
-        tp=p.tp, pp=p.pp, vpp=p.vpp, dp=dp, ep=p.ep, micro_batch_size=cfg.train.micro_batch_size,
+        tp=p.tp, cp=p.cp, cpu=p.device == "cpu", pp=p.pp, vpp=p.vpp, dp=dp, ep=p.ep,
+        micro_batch_size=cfg.train.micro_batch_size,
         seq_length=m.seq_length, sequence_parallel=p.sp, recompute=m.recompute,
         num_microbatches=max(1, cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)),
         attention=m.attention, recompute_num_layers=full[1] if full else 1,

@@ -363,6 +363,14 @@ class Layout:
     """A Megatron parallel layout and the per-step batch shape of one GPU."""
 
     tp: int = 1
+    cp: int = 1
+    """Context parallelism (``parallel.cp``): each sequence split over ``cp`` ranks, which hold
+    the same weights; gradients are reduced and Adam state and LoGRA masters sharded over the
+    ``dp * cp`` ranks (Megatron's data-parallel group with context parallelism)."""
+    cpu: bool = False
+    """The run is on the CPU (``parallel.device=cpu``, where the estimate is checked): its
+    context-parallel attention keeps additive bottom-right masks that CUDA's kernels apply
+    without materialising them (:func:`megatron_logra.memory.built_layer.cp_mask_bytes`)."""
     pp: int = 1
     vpp: int | None = None
     """Virtual pipeline stages per pipeline rank (interleaved 1F1B); None for plain 1F1B."""
@@ -392,7 +400,8 @@ class Layout:
     method): one input is kept per group and a whole group is rebuilt at a time."""
 
     def __post_init__(self) -> None:
-        fixes = {"tp": "use 1 for no tensor parallelism", "pp": "use 1 for no pipeline",
+        fixes = {"tp": "use 1 for no tensor parallelism", "cp": "use 1 for no context parallelism",
+                 "pp": "use 1 for no pipeline",
                  "dp": "use 1 for no data parallelism", "ep": "use 1 for no expert parallelism", "micro_batch_size": "use 1 or more",
                  "seq_length": "give the sequence length in tokens"}
         for argument, fix in fixes.items():
@@ -423,6 +432,17 @@ class Layout:
                 f"Layout.seq_length={self.seq_length} must be divisible by Layout.tp={self.tp} "
                 "under sequence parallelism"
             )
+        if self.cp > 1:
+            multiple = 2 * self.cp * (self.tp if self.sequence_parallel else 1)
+            if self.seq_length % multiple:
+                raise ValueError(
+                    f"Layout.seq_length={self.seq_length} must be a multiple of {multiple} (2 * cp"
+                    f"{' * tp' if self.sequence_parallel else ''}): each sequence is split into "
+                    "2 * cp chunks"
+                )
+            if self.attention == "local":
+                raise ValueError("Layout.attention='local' refuses context parallelism (as "
+                                 "Megatron's DotProductAttention does); use 'sdpa' or 'te'")
 
     @property
     def expert_dp(self) -> int:
@@ -431,12 +451,23 @@ class Layout:
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def dp_cp(self) -> int:
+        """Ranks holding the same weights: gradients are reduced, and the distributed Adam
+        state and LoGRA's masters sharded, over them."""
+        return self.dp * self.cp
+
+    @property
+    def local_seq_length(self) -> int:
+        """Positions of each sequence on one rank (its two chunks under CP)."""
+        return self.seq_length // self.cp
 
     @property
     def tokens(self) -> int:
-        """T: tokens of one microbatch."""
-        return self.seq_length * self.micro_batch_size
+        """T: tokens of one microbatch on one rank (its CP share)."""
+        return self.local_seq_length * self.micro_batch_size
 
     @property
     def sharded_tokens(self) -> float:

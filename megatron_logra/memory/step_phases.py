@@ -34,14 +34,31 @@ from the slope between 256- and 512-token probes)."""
 @dataclass(frozen=True)
 class KLProbe:
     """The predicted-KL step control's probe on one DP rank: ``sequences`` of
-    ``tokens_per_sequence`` tokens (logra.kl_control.probe_responses / probe_max_tokens)."""
+    ``tokens_per_sequence`` tokens (logra.kl_control.probe_responses / probe_max_tokens).
+    Under context parallelism the probe is padded to a multiple of ``2 cp`` (times TP under
+    SP) and each rank takes ``tokens_per_sequence / cp`` positions of it (``local_tokens``)."""
 
     sequences: int
     tokens_per_sequence: int
 
+    def padded(self, layout: Layout) -> int:
+        """The probe sequences' length after the context-parallel padding."""
+        if layout.cp == 1:
+            return self.tokens_per_sequence
+        multiple = 2 * layout.cp * (layout.tp if layout.sequence_parallel else 1)
+        return -(-self.tokens_per_sequence // multiple) * multiple
+
+    def local_tokens(self, layout: Layout) -> int:
+        """Positions of one probe sequence on a rank."""
+        return self.padded(layout) // layout.cp
+
     @property
     def tokens(self) -> int:
         return self.sequences * self.tokens_per_sequence
+
+    def rank_tokens(self, layout: Layout) -> int:
+        """``P``: probe tokens on one rank."""
+        return self.sequences * self.local_tokens(layout)
 
 
 def paper_weight_norm_bytes(shape: ModelShape, layout: Layout,
@@ -83,18 +100,31 @@ PROBE_MLP_COPIES = 6
 sketched direction's output tangent is added to fc1's (measured: 6, plus one fp32 copy)."""
 
 
+PROBE_CP_KEY_COPIES = 4
+"""Under context parallelism, of the ``[P, qd/t]`` copies above those over the keys -- the
+head-expanded keys and values and their tangents -- span the whole sequence's keys, and the
+gathered keys and values ``[s, 2 kvd/t]`` are kept with their tangents."""
+
+
 def probe_forward_bytes(shape: ModelShape, layout: Layout, probe: KLProbe, e: int) -> float:
     """The widest moment of the probe's forward-mode pass (no graph is kept): the core-attention
     tangent rule of a layer (quadratic in the probe length, by blocks of query rows), or the
-    MLP's fc1 with its tangent, whichever is larger."""
-    P, t = probe.tokens, layout.tp
-    s = probe.tokens_per_sequence
+    MLP's fc1 with its tangent, whichever is larger. Under context parallelism the rule runs
+    per chunk of queries over up to the whole sequence's (gathered) keys."""
+    P, t = probe.rank_tokens(layout), layout.tp
+    keys = probe.padded(layout)  # the last chunk's keys: the whole sequence
+    queries = probe.local_tokens(layout) // (2 if layout.cp > 1 else 1)  # one rule call
     heads = shape.num_attention_heads / t
-    block = min(s, PROBE_QUERY_BLOCK)
-    copies = PROBE_ATTENTION_BLOCK_COPIES if s <= block else PROBE_ATTENTION_BLOCK_COPIES_LATER
-    attention = copies * e * probe.sequences * heads * block * s
-    attention += e * P * (PROBE_ATTENTION_WIDTH_COPIES * shape.query_width
-                          + 2 * (shape.query_width + 2 * shape.kv_width)) / t
+    block = min(queries, PROBE_QUERY_BLOCK)
+    copies = (PROBE_ATTENTION_BLOCK_COPIES if queries <= block
+              else PROBE_ATTENTION_BLOCK_COPIES_LATER)
+    attention = copies * e * probe.sequences * heads * block * keys
+    width = PROBE_ATTENTION_WIDTH_COPIES * shape.query_width
+    if layout.cp > 1:
+        width -= PROBE_CP_KEY_COPIES * shape.query_width
+        attention += e * probe.sequences * keys * (
+            PROBE_CP_KEY_COPIES * shape.query_width + 2 * 2 * shape.kv_width) / t
+    attention += e * P * (width + 2 * (shape.query_width + 2 * shape.kv_width)) / t
     mlp = (PROBE_MLP_COPIES * e + FP32_BYTES) * P * shape.fc1_width / t
     return max(attention, mlp)
 
@@ -109,7 +139,7 @@ def kl_probe_bytes(shape: ModelShape, layout: Layout, probe: KLProbe, e: int,
     logits, and the second forward's widest moment or its logits with a chunk."""
     vocab = shape.padded_vocab_size(layout.tp) / layout.tp
     # Megatron's mixed-precision wrapper hands the last stage's logits back in fp32.
-    logits = FP32_BYTES * probe.tokens * vocab
+    logits = FP32_BYTES * probe.rank_tokens(layout) * vocab
     forward = probe_forward_bytes(shape, layout, probe, e)
     chunk = kl_chunk_bytes(shape, layout)
     predicting = direction_bytes + max(forward, 2 * logits + chunk)

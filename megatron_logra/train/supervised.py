@@ -76,8 +76,9 @@ class SupervisedJob:
     def step(self, step: int) -> dict[str, Any]:
         cfg, groups, setup = self.cfg, self.groups, self.setup
         start = time.perf_counter()
+        # Whole sequences of this data-parallel replica (its CP ranks split them in train_step).
         microbatches = self.schedule.microbatches(
-            step, dp_rank=groups.dp_rank, dp_size=groups.dp_size,
+            step, dp_rank=groups.data_rank, dp_size=groups.data_size,
             micro_batch_size=cfg.train.micro_batch_size, device=groups.device,
         )
         step_metrics = setup.step_metrics()
@@ -85,7 +86,7 @@ class SupervisedJob:
         if control is not None:
             settings = cfg.logra.kl_control
             control.set_batch(supervised_probe_batch(microbatches, settings,
-                                                     dp_rank=groups.dp_rank))
+                                                     dp_rank=groups.data_rank))
             if settings.mismatch_input is not None:
                 control.observe_mismatch(settings.mismatch_input)
         result = train_step(setup, microbatches, groups=groups, seq_length=cfg.model.seq_length,

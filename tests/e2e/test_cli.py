@@ -24,7 +24,7 @@ REFUSAL_WALL_S = 30
         (["logra.sketch_rank=0"], "logra.sketch_rank=0 must be > 0"),
         (["parallel.tp=3"], "model.num_attention_heads=4 must be divisible by parallel.tp=3"),
         # The demo config asks for tp=2; a plain one-process launch cannot hold it.
-        ([], "world size 1 is not divisible by parallel.tp * parallel.pp = 2"),
+        ([], "world size 1 is not divisible by parallel.tp * parallel.cp * parallel.pp = 2"),
         (["parallel.tp=1", "train.global_batch_size=6"],
          "train.global_batch_size=6 must be a multiple of train.micro_batch_size * dp = 8 * 1"),
     ],

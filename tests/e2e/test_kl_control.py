@@ -3,8 +3,8 @@
 Paper mode (the paper's RowAdam, a global update ratio, non-targets frozen) with the KL
 controller, on the supervised corpus (the probe set is the first sequences of the global batch):
 
-* alpha, the predicted KL and the applied update are the same at TP=2 with SP, PP=2, VPP, DP=2
-  and TP=2 x DP=2 as at TP=1;
+* alpha, the predicted KL and the applied update are the same at TP=2 with SP, PP=2, VPP, DP=2,
+  TP=2 x DP=2, and with context parallelism at TP=2 x CP=2 and CP=2 x DP=2 as at TP=1;
 * for small steps the realised KL after the update matches the prediction ``m * alpha^2``;
 * when the proposed step is made 100x too large the controller still keeps the realised KL
   within the budget;

@@ -117,7 +117,7 @@ PREFLIGHT_WALL_S = 60
         (["train", CONFIG, "optimizer.name=nope"], "optimizer.name='nope' is not valid"),
         # Checked against the launch's world size (--nproc 2), not a single process's.
         (["train", CONFIG, "parallel.tp=4"],
-         "world size 2 is not divisible by parallel.tp * parallel.pp = 4"),
+         "world size 2 is not divisible by parallel.tp * parallel.cp * parallel.pp = 4"),
         (["rl", RL_CONFIG, "parallel.tp=1", "model.activation=swiglu",
           "model.normalization=RMSNorm", "rollout.placement=separate", "rollout.engine=vllm",
           "rollout.vllm_venv=no-such-venv"],

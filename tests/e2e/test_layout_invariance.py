@@ -15,7 +15,10 @@ reduction-order noise:
   == TP=1 x PP=1, PP=2 with the distributed optimizer and DP=2, and PP=2 with tied embeddings
   (the last stage's copy of the embedding) == PP=1 tied;
 * full activation recompute (block method) == none, at DP=2: bit for bit (the recomputed forward
-  repeats the same operations; each sketch is accumulated once per microbatch).
+  repeats the same operations; each sketch is accumulated once per microbatch);
+* context parallelism: TP=2 x CP=2 with SP, and CP=2 x DP=2 with the distributed optimizer ==
+  TP=1 (each sequence split in 4 chunks over the CP ranks); and the CP=2 x DP=2 run's step-3
+  checkpoint resumed at CP=1 (TP=1, DP=1) finishes like the uninterrupted run.
 
 Model initialisation is layout independent by construction, so the runs start from the same
 full weights: the first-step loss is compared too.
@@ -30,9 +33,12 @@ import pytest
 from megatron_logra.train.metrics import read_metrics
 from tests.cli_runs import CliRuns, run_differences
 from tests.layouts import (
+    DISTOPT,
     LAYOUTS,
     LOGRA_LAYOUT_LOSS_REL_TOL,
     LOGRA_LAYOUT_WEIGHT_REL_TOL,
+    RESHARD_LOSS_REL_TOL,
+    RESHARD_WEIGHT_REL_TOL,
     max_entry_rel_err,
 )
 from tests.presets import tiny_logra_run
@@ -47,6 +53,7 @@ BASE = [
     "optimizer.clip_grad=1.0", "run.save_full_weights=true",
 ]
 MICRO_BATCH_4 = "train.micro_batch_size=4"
+CP_RESUME_AT = 3
 TIED = "model.untie_embeddings=false"
 # (layout, run overrides) per run; "reference" is TP=1, DP=1 with two microbatches of 4.
 RUNS: dict[str, tuple[str, list[str]]] = {
@@ -65,7 +72,10 @@ RUNS: dict[str, tuple[str, list[str]]] = {
     "tied_pp2": ("pp2", [TIED, MICRO_BATCH_4]),
     "dp2_recompute": ("dp2", [MICRO_BATCH_4, "model.recompute=full",
                               "model.recompute_method=block", "model.recompute_num_layers=2"]),
+    "tp2_cp2_sp": ("tp2_cp2_sp", [MICRO_BATCH_4]),
+    "dp2_cp2_distopt": ("dp2_cp2_distopt", [MICRO_BATCH_4, f"checkpoint.interval={CP_RESUME_AT}"]),
 }
+CHECKPOINTED = {"dp2_cp2_distopt"}
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +86,7 @@ def runs(tmp_path_factory, synthetic_data_dir) -> CliRuns:
 def _run(runs: CliRuns, name: str) -> Path:
     layout, overrides = RUNS[name]
     nproc, parallel = LAYOUTS[layout]
-    return runs.run(name, nproc, [*parallel, *overrides])
+    return runs.run(name, nproc, [*parallel, *overrides], checkpointed=name in CHECKPOINTED)
 
 
 def _compare(candidate: Path, reference: Path) -> tuple[float, float]:
@@ -100,6 +110,8 @@ def _compare(candidate: Path, reference: Path) -> tuple[float, float]:
         ("tp2_pp2_sp", "reference"),
         ("pp2_dp2_distopt", "reference"),
         ("tied_pp2", "tied"),
+        ("tp2_cp2_sp", "reference"),
+        ("dp2_cp2_distopt", "reference"),
     ],
 )
 def test_logra_training_is_layout_invariant(candidate, reference, runs):
@@ -113,6 +125,17 @@ def test_logra_training_is_layout_invariant(candidate, reference, runs):
 def test_logra_training_with_full_recompute_equals_the_run_without_it(runs):
     loss_err, weight_err = _compare(_run(runs, "dp2_recompute"), _run(runs, "dp2"))
     assert (loss_err, weight_err) == (0.0, 0.0)
+
+
+def test_context_parallel_checkpoint_resumed_at_cp1_matches_the_uninterrupted_run(runs):
+    """Steps 4-6 at TP=1, CP=1, DP=1 from the CP=2 x DP=2 run's step-3 checkpoint (masters,
+    row moments and the distributed Adam state resharded from 4 DP x CP ranks to 1)."""
+    _run(runs, "dp2_cp2_distopt")
+    resumed = runs.forked("cp2_resumed_at_cp1", "dp2_cp2_distopt", CP_RESUME_AT,
+                          (1, [*LAYOUTS["tp1"][1], *DISTOPT, MICRO_BATCH_4]))
+    loss_err, weight_err = _compare(resumed, _run(runs, "reference"))
+    assert loss_err < RESHARD_LOSS_REL_TOL, loss_err
+    assert weight_err < RESHARD_WEIGHT_REL_TOL, weight_err
 
 
 def test_reference_run_updates_every_step_and_lowers_the_loss(runs):

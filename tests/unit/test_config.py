@@ -271,7 +271,7 @@ def test_non_mapping_config_file_raises_value_error_naming_path(tmp_path):
 
 def test_world_size_not_divisible_by_model_parallel_size_raises_value_error():
     cfg = load_config(None, ["parallel.tp=2"])
-    _raises_naming(["world size 3", "parallel.tp * parallel.pp = 2"], cfg.resolved, 3)
+    _raises_naming(["world size 3", "parallel.tp * parallel.cp * parallel.pp = 2"], cfg.resolved, 3)
 
 
 def test_explicit_dp_mismatching_world_size_raises_value_error():

@@ -105,6 +105,13 @@ def test_megatron_sync_section_with_one_gpu_is_skipped_as_needing_two(tmp_path, 
     assert list(tmp_path.iterdir()) == []
 
 
+def test_context_parallel_section_with_one_gpu_is_skipped_as_needing_two(tmp_path, monkeypatch):
+    _gpus(monkeypatch, 1)
+    record = gpu_check.run_section("context_parallel", tmp_path)
+    assert (record.status, record.reason) == ("skipped", "needs 2 GPUs, 1 visible")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_vllm_section_with_a_gpu_but_no_cuda_vllm_venv_is_skipped_naming_its_setup(
         tmp_path, monkeypatch):
     _gpus(monkeypatch, 8)

@@ -142,6 +142,8 @@ def test_auto_correction_resolves_once_to_the_presets_weight_for_its_staleness(o
     (["rollout.cpus=[1]", "parallel.tp=1"], ["rollout.cpus=[1]", "rollout.placement=colocated"]),
     ([*SEPARATE, "rollout.cpus=[0,1]"], ["rollout.cpus=[0, 1]", "rollout.tp=1"]),
     (["rl.loss.paper.importance_weight_cap=3"], ["rl.loss.correction.tis_cap"]),
+    (["rl.loss.correction.name=seq_mask_tis", "parallel.tp=1", "parallel.cp=2"],
+     ["rl.loss.correction.name=seq_mask_tis", "parallel.cp=2"]),
     (["rl.loss.correction.tis_cap=0"], ["rl.loss.correction.tis_cap=0", "positive"]),
 ])
 def test_async_and_correction_settings_that_cannot_act_are_refused_naming_them(overrides,

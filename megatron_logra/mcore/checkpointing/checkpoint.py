@@ -145,8 +145,10 @@ def _sharded_state(
 
 
 def _layout(groups: ParallelGroups) -> dict[str, int]:
-    return {"tp": groups.tp_size, "pp": groups.pp_size, "vpp": groups.vpp_size,
-            "dp": groups.dp_size}
+    layout = {"tp": groups.tp_size, "pp": groups.pp_size, "vpp": groups.vpp_size,
+              "dp": groups.dp_size}
+    # dp counts DP x CP ranks; cp is named only when used, so cp = 1 layouts read as before.
+    return {**layout, "cp": groups.cp_size} if groups.cp_size > 1 else layout
 
 
 # ----------------------------------------------------------------------------- manifest

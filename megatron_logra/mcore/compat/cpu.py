@@ -8,7 +8,9 @@ schedules run on CPU over gloo and give the numbers a GPU run gives (to float ro
 2. ``torch.cuda.current_device()`` answers the CPU device (Megatron passes it as ``device=``),
    and streams, events, ``synchronize`` and ``empty_cache`` become no-ops;
 3. tensor factories and ``Tensor.to`` map ``device="cuda"`` (or a CUDA index) to the CPU, because
-   schedules, the causal mask, clip_grads and the optimizers hard-code that string;
+   schedules, the causal mask, clip_grads and the optimizers hard-code that string (and the
+   factories ignore ``pin_memory=True``, which the context-parallel rotary slice asks for and a
+   CPU-only torch refuses);
 4. a no-argument ``Tensor.type()`` reports ``torch.cuda.FloatTensor``-style names, because the
    optimizers compare against them.
 
@@ -175,6 +177,7 @@ def _patch_device_strings() -> None:
         def on_cpu(*args: Any, __factory: Any = factory, **kwargs: Any) -> Any:
             if _is_cuda_device(kwargs.get("device")):
                 kwargs["device"] = "cpu"
+            kwargs.pop("pin_memory", None)
             return __factory(*args, **kwargs)
 
         setattr(torch, name, on_cpu)

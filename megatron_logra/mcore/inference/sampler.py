@@ -46,6 +46,14 @@ for generation.
 prompts (``data_parallel_share``); no collective crosses data-parallel ranks except the check
 that every rank was given the same request.
 
+**Context parallelism.** The CP ranks of a replica hold the same weights, so they generate as
+extra data-parallel generators: the prompts are shared over DP x CP ranks, and each rank decodes
+whole sequences with the model's context parallelism switched off for the duration
+(:func:`~megatron_logra.mcore.models.context_parallel.context_parallel_off`). The trainer then
+gathers a replica's sequences over its CP group (``train/rl/rollouts.py``). A sequence's KV cache
+is then on one rank: for responses too long for that, use a separate engine
+(``rollout.placement=separate``).
+
 Shape suffixes: B = sequences, S = positions (prompt block or 1), V = padded vocabulary.
 """
 
@@ -60,6 +68,7 @@ import torch.distributed as dist
 from megatron.core.inference.contexts.static_context import StaticInferenceContext
 from megatron.core.models.gpt import GPTModel
 
+from megatron_logra.mcore.models.context_parallel import context_parallel_off
 from megatron_logra.mcore.models.sharding import unwrap_model
 from megatron_logra.mcore.process_groups import ParallelGroups
 from megatron_logra.rl.rollout import (
@@ -214,7 +223,9 @@ class MegatronSampler:
             return _empty_batch(params)
         step = self.max_batch_size or len(share)
         pieces = []
-        with _inference_mode(self._chunk):
+        # A context-parallel model's CP ranks generate as extra data-parallel generators (the
+        # share above is over DP x CP): each decodes whole sequences with its own KV cache.
+        with _inference_mode(self._chunk), context_parallel_off(model):
             try:
                 for start in range(0, len(share), step):
                     indices = list(share[start : start + step])

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
+from megatron_logra.context_parallel import gather_sequence, split_batch
 from megatron_logra.mcore.models.sharding import unwrap_model
 from megatron_logra.mcore.process_groups import ParallelGroups
 from megatron_logra.mcore.training.forward_backward import forward_backward
@@ -135,7 +136,8 @@ def compute_token_logprobs(
     Megatron's forward/backward schedule, so it works under every layout the trainer runs:
     the pipeline stages exchange activations as in training and the last stage's result is
     broadcast over the pipeline group. Collective over the model-parallel group; data-parallel
-    ranks pass their own sequences.
+    ranks pass their own sequences. Under context parallelism every CP rank of a replica passes
+    the same sequences, computes its own chunks and gathers the rest over the CP group.
 
     Args:
         model_chunks: this rank's model chunks (one per virtual pipeline stage), possibly wrapped
@@ -171,6 +173,12 @@ def compute_token_logprobs(
             f"sequence length {length} must be a multiple of the TP size {groups.tp_size} under "
             "sequence parallelism; pad with RolloutBatch.to_padded(pad_to_multiple_of=tp)"
         )
+    if groups.cp_size > 1 and length % (
+            2 * groups.cp_size * (groups.tp_size if config.sequence_parallel else 1)):
+        raise ValueError(
+            f"sequence length {length} must split into 2 * cp = {2 * groups.cp_size} equal "
+            "chunks (of a multiple of TP under sequence parallelism); pad it to model.seq_length"
+        )
     if model.position_embedding_type == "learned_absolute" and length > model.max_sequence_length:
         raise ValueError(
             f"sequence length {length} exceeds the model's learned positions "
@@ -188,11 +196,11 @@ def compute_token_logprobs(
     if position_ids_BL is None:
         position_ids_BL = torch.arange(length, dtype=torch.int64)[None, :].expand(size, length)
     microbatches = [
-        _Microbatch(
+        split_batch(_Microbatch(
             tokens=tokens_BL[start : start + micro_batch_size].to(device),
             labels=labels_BL[start : start + micro_batch_size].to(device),
             position_ids=position_ids_BL[start : start + micro_batch_size].contiguous().to(device),
-        )
+        ), groups.cp_rank, groups.cp_size)
         for start in range(0, size, micro_batch_size)
     ]
     modes = [module.training for chunk in model_chunks for module in chunk.modules()]
@@ -217,7 +225,8 @@ def compute_token_logprobs(
                 f"the schedule returned {len(collected)} results for {num_microbatches} "
                 "microbatches"
             )
-        result = torch.cat(list(collected), dim=0).float().contiguous()
+        result = gather_sequence(torch.cat(list(collected), dim=0).float().contiguous(),
+                                 groups.cp, groups.cp_size)
     else:
         result = torch.empty(size, length, dtype=torch.float32, device=device)
     if groups.pp_size > 1:

@@ -43,9 +43,10 @@ from megatron_logra.mcore.kl_probe.logit_jvp import (
     logit_jvp,
     probe_logits,
 )
+from megatron_logra.mcore.models.sharding import unwrap_model
 from megatron_logra.mcore.models.targets import SketchTarget
 from megatron_logra.mcore.process_groups import ParallelGroups
-from megatron_logra.probe_batch import ProbeBatch
+from megatron_logra.probe_batch import ProbeBatch, context_parallel_share
 from megatron_logra.step_scale import ProposedUpdate
 
 
@@ -92,7 +93,13 @@ class KLStepControl:
                 f"probe mask must be a bool tensor shaped like the tokens {tuple(batch.tokens.shape)}"
                 f", got {batch.mask.dtype} {tuple(batch.mask.shape)}"
             )
-        self.batch = batch
+        groups = self.groups
+        sequence_parallel = unwrap_model(self.model_chunks[0]).config.sequence_parallel
+        # Each CP rank probes its own chunks of the probe sequences: their sums add up over the
+        # DP x CP ranks in _global_mean, as the DP replicas' do.
+        self.batch = context_parallel_share(
+            batch, groups.cp_rank, groups.cp_size,
+            2 * groups.cp_size * (groups.tp_size if sequence_parallel else 1))
 
     def observe_mismatch(self, observed_gap: float | None) -> float:
         return self.controller.observe_mismatch(observed_gap)

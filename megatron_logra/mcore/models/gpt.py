@@ -79,6 +79,9 @@ def transformer_config(cfg: Config, device: torch.device) -> TransformerConfig:
         params_dtype=params_dtype,
         bf16=m.params_dtype == "bf16",
         tensor_model_parallel_size=cfg.parallel.tp,
+        context_parallel_size=cfg.parallel.cp,
+        # Transformer Engine's CP attention (model.attention=te); sdpa all-gathers K/V itself.
+        cp_comm_type=cfg.parallel.cp_comm_type,
         pipeline_model_parallel_size=cfg.parallel.pp,
         virtual_pipeline_model_parallel_size=cfg.parallel.vpp,
         pipeline_dtype=params_dtype,

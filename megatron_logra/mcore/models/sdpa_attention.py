@@ -20,6 +20,12 @@ own heads. Grouped-query attention is read from the shapes (fewer key/value head
 heads) and uses SDPA's ``enable_gqa``, so keys and values are never repeated in memory.
 Forward-mode AD (the KL probe) goes through the tangent rule of
 :mod:`megatron_logra.mcore.models.sdpa_forward_ad`.
+
+Context parallelism: with ``context_parallel_size > 1`` a causal layer without an explicit mask
+runs :func:`~megatron_logra.mcore.models.cp_attention.context_parallel_attention` over Megatron's
+CP group (keys and values all-gathered, exact). ``cp_group = None`` makes the layer attend
+within its rank's own tokens (``mcore/models/context_parallel.py``: the sampler's whole
+sequences).
 """
 
 from __future__ import annotations
@@ -27,11 +33,13 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_logra.mcore.models.cp_attention import context_parallel_attention
 from megatron_logra.mcore.models.sdpa_forward_ad import attention
 
 
@@ -50,11 +58,17 @@ class SDPAttention(MegatronModule):
         pg_collection: object | None = None,
     ):
         super().__init__(config=config)
-        del attention_type, cp_comm_type, pg_collection  # the heads arrive already split per rank
+        del attention_type, cp_comm_type  # the heads arrive already split per rank
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        # Megatron's context-parallel group when the sequence is split (None: not split).
+        self.cp_group: dist.ProcessGroup | None = None
+        if config.context_parallel_size > 1:
+            self.cp_group = getattr(pg_collection, "cp", None)
+            if self.cp_group is None:
+                raise ValueError("context parallelism needs Megatron's pg_collection with its "
+                                 "CP group (built by SelfAttention)")
         unsupported = {
             "attention dropout": dropout != 0.0,
-            "context parallelism": config.context_parallel_size != 1,
             "window attention": config.window_size is not None,
             f"softmax_type={config.softmax_type!r}": config.softmax_type != "vanilla",
         }
@@ -87,6 +101,15 @@ class SDPAttention(MegatronModule):
             raise ValueError("packed sequences and attention bias need model.attention=te")
         s_q, batch, heads, head_dim = query.shape
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        if self.cp_group is not None:
+            if attention_mask is not None or mask_type != AttnMaskType.causal:
+                raise ValueError(
+                    "context-parallel attention is causal over the split sequence; an explicit "
+                    "attention mask (the sampler's) needs context_parallel_off(model)"
+                )
+            context = context_parallel_attention(query, key, value, group=self.cp_group,
+                                                 scale=self.softmax_scale)
+            return context.permute(2, 0, 1, 3).reshape(s_q, batch, heads * head_dim)
         allowed = None
         is_causal = False
         if attention_mask is not None:
@@ -105,3 +128,4 @@ class SDPAttention(MegatronModule):
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         context = attention(query, key, value, allowed, is_causal, self.softmax_scale)
         return context.permute(2, 0, 1, 3).reshape(s_q, batch, heads * head_dim)
+

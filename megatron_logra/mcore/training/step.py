@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_logra.context_parallel import split_batch
 from megatron_logra.data.lm_batches import Microbatch
 from megatron_logra.mcore.process_groups import ParallelGroups
 from megatron_logra.mcore.training.forward_backward import forward_backward
@@ -65,9 +66,11 @@ def train_step(
     seq_length: int,
     micro_batch_size: int,
 ) -> StepResult:
-    """Train on this rank's ``microbatches`` (every data-parallel rank passes its own)."""
+    """Train on this rank's ``microbatches`` (every data-parallel rank passes its own whole
+    sequences; under context parallelism each rank keeps its own chunks of them)."""
     if not microbatches:
         raise ValueError("microbatches is empty; give this rank at least one microbatch")
+    microbatches = [split_batch(batch, groups.cp_rank, groups.cp_size) for batch in microbatches]
     for chunk in setup.model_chunks:
         chunk.zero_grad_buffer()
     setup.optimizer.zero_grad()

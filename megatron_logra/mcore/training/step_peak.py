@@ -53,12 +53,13 @@ class StepPeak:
 
 def random_microbatches(cfg: Config, groups: ParallelGroups, *, vocab_size: int,
                         seed: int) -> list[Microbatch]:
-    """This DP rank's share of one global batch of random tokens (a fixed ``seed``)."""
+    """This DP replica's share of one global batch of random tokens (a fixed ``seed``)."""
     s, b = cfg.model.seq_length, cfg.train.micro_batch_size
-    per_rank = cfg.train.global_batch_size // groups.dp_size
+    per_rank = cfg.train.global_batch_size // groups.data_size
     generator = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, vocab_size, (per_rank * groups.dp_size, s + 1), generator=generator)
-    mine = tokens[groups.dp_rank * per_rank:(groups.dp_rank + 1) * per_rank].to(groups.device)
+    tokens = torch.randint(0, vocab_size, (per_rank * groups.data_size, s + 1),
+                           generator=generator)
+    mine = tokens[groups.data_rank * per_rank:(groups.data_rank + 1) * per_rank].to(groups.device)
     positions = torch.arange(s, device=groups.device).expand(b, -1)
     return [
         Microbatch(tokens=mine[i:i + b, :-1].contiguous(), labels=mine[i:i + b, 1:].contiguous(),
@@ -83,7 +84,7 @@ def _step(cfg: Config, setup: TrainingSetup, batch: list[Microbatch],
     control = setup.kl_control
     if control is not None:
         control.set_batch(supervised_probe_batch(batch, cfg.logra.kl_control,
-                                                 dp_rank=groups.dp_rank))
+                                                 dp_rank=groups.data_rank))
     train_step(setup, batch, groups=groups, seq_length=cfg.model.seq_length,
                micro_batch_size=cfg.train.micro_batch_size)
     if control is None:

@@ -1,5 +1,6 @@
 """The collectives of an RL step, with explicit process groups: three over data parallelism, one
-that hands rank 0's result (or its error) to every rank."""
+over a replica's context-parallel ranks, one that hands rank 0's result (or its error) to every
+rank."""
 
 from __future__ import annotations
 
@@ -19,9 +20,17 @@ def gather_dp(values: list[Any], groups: ParallelGroups) -> list[Any]:
     return [item for part in gathered for item in (part or [])]
 
 
+def gather_cp(value: Any, groups: ParallelGroups) -> list[Any]:
+    """Every CP rank's ``value``, in CP-rank order (the ranks of one data-parallel replica)."""
+    gathered: list[Any] = [None] * groups.cp_size
+    dist.all_gather_object(gathered, value, group=groups.cp)
+    return gathered
+
+
 def replica_sum(values: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
     """Sum over the data-parallel replicas of quantities held by the last pipeline stage (the
-    same on every TP rank): TP rank 0 of the last stage contributes, summed over the world."""
+    same on every TP rank): TP rank 0 of the last stage contributes, summed over the world
+    (under context parallelism every CP rank's own tokens, so their sums add up too)."""
     total = values.clone().to(torch.float64)
     if not (groups.is_last_stage() and groups.tp_rank == 0):
         total.zero_()

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from megatron_logra.context_parallel import split_batch
 from megatron_logra.mcore import (
     ParallelGroups,
     TrainingSetup,
@@ -141,6 +142,9 @@ def update_policy(
     setup.optimizer.zero_grad()
     forward_step = functools.partial(_forward_step, loss=loss, vocab_size=vocab_size,
                                      tp_rank=groups.tp_rank, temperature=temperature)
+    # Under context parallelism each rank takes its chunks of every sequence; the loss and
+    # report sums are over its tokens (finalize_model_grads and replica_sum add the CP ranks').
+    microbatches = [split_batch(batch, groups.cp_rank, groups.cp_size) for batch in microbatches]
     reports = forward_backward(setup.model_chunks, microbatches, forward_step,
                                seq_length=seq_length, micro_batch_size=micro_batch_size)
     local = torch.zeros(len(dataclasses.fields(LossSums)), dtype=torch.float64,

@@ -1,5 +1,9 @@
 """The rollout phase of an RL step: sample this DP rank's share of the step's prompts, score it,
-and compute the advantages of the whole global batch (identically on every rank)."""
+and compute the advantages of the whole global batch (identically on every rank).
+
+Under context parallelism the engine's share is per DP x CP rank (the CP ranks of a replica
+generate as extra data-parallel generators); the responses a replica trains on -- its data-
+parallel share, the union of its CP ranks' -- are then gathered over its CP group."""
 
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ from megatron_logra.rl.rollout import (
     SamplingParams,
     data_parallel_share,
 )
-from megatron_logra.train.rl.collectives import gather_dp
+from megatron_logra.train.rl.collectives import gather_cp, gather_dp
 from megatron_logra.train.rl.prompts import PromptEncoder
 
 
@@ -38,6 +42,7 @@ class ScoredRollouts:
     """
 
     share: range
+    """Global indices of the responses this rank trains on (its DP replica's)."""
     rollout: RolloutBatch
     rewards: list[float]
     correct: list[bool]
@@ -98,6 +103,13 @@ def collect_rollouts(
             f"non-finite advantage at step {step + 1} (rewards all finite: the estimator's "
             "state is broken); no weight was changed"
         )
+    if groups.cp_size > 1:
+        share = data_parallel_share(len(problems), groups.data_rank, groups.data_size)
+        rollout = RolloutBatch.merged(gather_cp(rollout, groups))
+        if rollout.sequence_indices != tuple(share):
+            raise RuntimeError(
+                f"the CP group's responses {rollout.sequence_indices[:4]}... are not its "
+                f"data-parallel share {share}: the engine's DP x CP shares do not tile it")
     return ScoredRollouts(
         share=share, rollout=rollout, rewards=all_rewards, correct=all_correct,
         lengths=all_lengths, advantages=values[share.start : share.stop],
