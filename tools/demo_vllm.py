@@ -1,7 +1,7 @@
 """The vLLM demo: RL with the rollout engine in its own process (vLLM), kept in step by low-rank
 policy sync, and the bytes it ships against a full refit.
 
-    make demo-vllm      (or: python tools/demo_vllm.py [--steps N] [--out DIR])
+    make demo-vllm      (or: python tools/demo_vllm.py [--steps N] [--out DIR] [--max-staleness N])
 
 A short RL run of the demo's model (``configs/demo_rl_cpu.yaml``: Llama-style, head width 32)
 from its random initialisation, through the real CLI on CPU: the trainer is 2 processes at
@@ -14,8 +14,10 @@ have shipped, the sync time and the weight check, then a summary. A second run o
 seed with ``sync.mode=delta`` (the XOR of vLLM's served weights against the trainer's,
 zstd-compressed: the field's sparse refit; ``--delta-steps 0`` skips it) then prints its bytes
 per step beside the low-rank and full bytes (``tools/bench_sync_modes.py`` compares the modes on
-the very same updates). Learning is ``make demo``'s claim, not this one's: a few steps from a
-random start do not move accuracy.
+the very same updates). ``--max-staleness 1``: vLLM generates each next batch while the trainer
+updates (``rollout.max_staleness``, docs/async.md), in both runs; every step then also shows its
+batch's staleness and how long the trainer waited for vLLM. Learning is ``make demo``'s claim,
+not this one's: a few steps from a random start do not move accuracy.
 """
 
 from __future__ import annotations
@@ -45,12 +47,13 @@ def print_sync(run_dir: Path) -> None:
     steps = [r for r in read_metrics(run_dir / "metrics.jsonl") if "sync_bytes" in r]
     print("\npolicy sync of the vLLM engine, per step (low-rank records vs a full refit)")
     print(f"{'step':>5} {'sync bytes':>12} {'full bytes':>12} {'ratio':>7} {'sync s':>8} "
-          f"{'weights equal':>14} {'reward':>7}")
+          f"{'weights equal':>14} {'reward':>7} {'staleness':>9} {'waited s':>9}")
     for r in steps:
         match = r.get("sync_weights_match")
         print(f"{r['step']:>5} {r['sync_bytes']:>12,} {r['sync_full_bytes']:>12,} "
               f"{r['sync_bytes'] / r['sync_full_bytes']:>7.4f} {r['sync_time_s']:>8.3f} "
-              f"{'-' if match is None else str(match):>14} {r['reward']:>7.3f}")
+              f"{'-' if match is None else str(match):>14} {r['reward']:>7.3f} "
+              f"{r['staleness']:>9} {r['trainer_idle_s']:>9.3f}")
     # The full sync at start ran before step 0's evaluation (the run's log has it); every step
     # here shipped low-rank records and the changed non-targets.
     later = steps
@@ -90,19 +93,23 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=OUT_DIR, help="the run directory")
     parser.add_argument("--delta-steps", type=int, default=None,
                         help="steps of the sync.mode=delta run (default: --steps; 0: skip it)")
+    parser.add_argument("--max-staleness", type=int, default=0,
+                        help="rollout.max_staleness: 1 generates each next batch while the "
+                             "trainer updates")
     args = parser.parse_args()
     started = time.perf_counter()
     ensure_dataset()
     run_dir = args.out.resolve()
     _torchrun("rl", [f"data.dir={DATA_DIR}", *OVERRIDES, f"train.steps={args.steps}",
-                     f"run.dir={run_dir}"],
+                     f"rollout.max_staleness={args.max_staleness}", f"run.dir={run_dir}"],
               "RL with LoGRA, rollouts from a separate vLLM engine, low-rank sync")
     print_sync(run_dir)
     delta_steps = args.steps if args.delta_steps is None else args.delta_steps
     if delta_steps:
         delta_dir = run_dir.with_name(run_dir.name + "_delta")
         _torchrun("rl", [f"data.dir={DATA_DIR}", *OVERRIDES, "sync.mode=delta",
-                         f"train.steps={delta_steps}", f"run.dir={delta_dir}"],
+                         f"train.steps={delta_steps}",
+                         f"rollout.max_staleness={args.max_staleness}", f"run.dir={delta_dir}"],
                   "the same with sync.mode=delta")
         print_delta(run_dir, delta_dir)
     print(f"\ndemo wall time {time.perf_counter() - started:.0f} s")

@@ -109,10 +109,10 @@ MEMORY_MODEL = ["--layers", "16", "--hidden", "2048", "--heads", "16", "--ffn", 
                 "--vocab", "32000", "--seq-length", "4096", "--micro-batch-size", "1",
                 "--sketch-rank", "256"]
 MERGE_SHAPES = ((4096, 4096), (28672, 4096))  # a square projection; a 7B-sized fused fc1
-# Seconds each section may run (the sync sections have their own, 390 s together:
+# Seconds each section may run (the sync sections have their own, 440 s together:
 # tools/gpu_check_sync.py). A device command may run 10 minutes, so docs/gpu_check.md splits
 # the sections into commands whose budgets fit: tp_parity te_spec te_packed memory master_merge
-# (540 s); moe_grouped context_parallel kl_probe (410 s); sync_megatron vllm (390 s).
+# (540 s); moe_grouped context_parallel kl_probe (410 s); sync_megatron vllm (440 s).
 # memory gets most: bench_methods starts 4 processes, and the model's layout-invariant
 # initialisation draws every full weight from a CPU generator (1e9 normals per model).
 BUDGET_S = {"tp_parity": 130, "te_spec": 70, "te_packed": 70, "memory": 240,

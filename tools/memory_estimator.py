@@ -3,6 +3,7 @@
     python tools/memory_estimator.py --preset qwen2.5-7b --tp 4 --seq-length 2048 --recompute full
     python tools/memory_estimator.py --preset gemma3-27b --gpus 8 --tp 8 --gpu-mem-gib 80 --json
     python tools/memory_estimator.py --config configs/demo_cpu.yaml --tp 1
+    python tools/memory_estimator.py --config configs/qwen2.5-7b.yaml --max-staleness 1
     python tools/memory_estimator.py --preset gemma3-27b --gpus 8 --tp 2 --cp 4 --seq-length 32768
     python tools/memory_estimator.py --compare-seeds
 
@@ -30,6 +31,7 @@ from megatron_logra.memory.estimate import (
     megatron_formula,
 )
 from megatron_logra.memory.from_config import kl_probe_of
+from megatron_logra.memory.in_flight import InFlightBytes, in_flight_bytes
 from megatron_logra.memory.shapes import (
     GIB,
     LOGRA_PRECISION_OF_MASTER_WEIGHTS,
@@ -108,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     fit.add_argument("--gpus", type=int, help="GPUs in the job (default tp * cp * pp * dp)")
     fit.add_argument("--gpu-mem-gib", type=float, default=DEFAULT_GPU_MEM_GIB,
                      help=f"memory of one GPU (default {DEFAULT_GPU_MEM_GIB:g})")
+    parser.add_argument("--max-staleness", type=int,
+                        help="with --config: what rollouts generated this many versions ahead "
+                             "hold (default: the config's rollout.max_staleness; printed when "
+                             "> 0)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--compare-seeds", action="store_true",
                         help="print the paper's three headline comparisons beside estimates")
@@ -165,6 +171,30 @@ def _config_defaults(args: argparse.Namespace) -> tuple[ModelShape, dict[str, An
         kl_probe=kl_probe_of(cfg) if args.as_built else None,
     )
     return shape, layout, settings
+
+
+def rollouts_in_flight(args: argparse.Namespace, shape: ModelShape) -> InFlightBytes | None:
+    """With --config: the host bytes of ``rollout.max_staleness`` versions in flight on the
+    trainer's world rank 0 (megatron_logra/memory/in_flight.py); None at staleness 0."""
+    if not args.config:
+        if args.max_staleness:
+            raise ValueError("--max-staleness reads the rollout batch and sync settings of a "
+                             "--config; give one")
+        return None
+    from megatron_logra.config import load_config
+
+    cfg = load_config(args.config, args.override)
+    staleness = cfg.rollout.max_staleness if args.max_staleness is None else args.max_staleness
+    if staleness < 0:
+        raise ValueError(f"--max-staleness={staleness} must be >= 0")
+    if not staleness:
+        return None
+    return in_flight_bytes(
+        shape, max_staleness=staleness, sequences=cfg.rl.global_batch,
+        response_tokens=cfg.rl.sampling.max_new_tokens,
+        sync_mode=cfg.sync.resolved_mode(cfg.optimizer.name), wire_dtype=cfg.sync.wire_dtype,
+        params_dtype=cfg.model.params_dtype, targets=tuple(cfg.logra.targets),
+        sketch_rank=cfg.logra.sketch_rank, dense_non_targets=cfg.logra.mode == "library")
 
 
 def _master_weights(cfg: Any) -> str:
@@ -484,13 +514,28 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         request = resolve(args)
         data = report(request)
+        in_flight = rollouts_in_flight(args, request.shape)
     except ValueError as err:
         parser.error(str(err))
+    if in_flight is not None:
+        data["rollouts_in_flight"] = {**asdict(in_flight), "total_bytes": in_flight.total_bytes}
     if args.json:
         print(json.dumps(data, indent=2))
     else:
         print(format_table(request, data))
+        if in_flight is not None:
+            print(format_in_flight(in_flight))
     return 0
+
+
+def format_in_flight(flight: InFlightBytes) -> str:
+    mib = 1024**2
+    return (f"\nrollouts generated ahead (rollout.max_staleness={flight.max_staleness}): host "
+            "memory of the trainer's world rank 0, per version in flight "
+            f"{flight.batch_bytes / mib:.2f} MiB of answered batch + "
+            f"{flight.sync_bytes / mib:.2f} MiB of queued sync records; "
+            f"{flight.total_bytes / mib:.2f} MiB for {flight.max_staleness}. The engine holds "
+            "one version whatever the staleness (0 B per version in flight).")
 
 
 if __name__ == "__main__":

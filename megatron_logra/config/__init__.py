@@ -10,7 +10,8 @@ here imports torch.
 
 Sections: ``model`` and ``parallel`` (config/model.py); ``optimizer``, ``logra`` with
 ``logra.kl_control``, ``lora`` (config/optim.py); ``rl`` with ``sampling``, ``loss``,
-``advantages``, ``reward`` (and ``reward.math_verify``), ``eval`` (config/rl.py); ``rollout`` and ``sync`` (config/rollout.py); ``train``,
+``advantages``, ``reward`` (and ``reward.math_verify``), ``eval`` (config/rl.py) and
+``loss.correction`` (config/off_policy.py); ``rollout`` and ``sync`` (config/rollout.py); ``train``,
 ``run``, ``checkpoint`` (config/run.py), with ``train.packing`` (config/packing.py); ``data`` with
 ``data.prompt`` (config/data.py). The names of every choice (targets, direction
 rules, distributions, rewards, ...) are declared here once; the implementing modules map them.
@@ -36,6 +37,7 @@ from megatron_logra.config.model import (
     ModelConfig,
     ParallelConfig,
 )
+from megatron_logra.config.off_policy import CORRECTIONS, CorrectionConfig
 from megatron_logra.config.optim import (
     DIRECTIONS,
     DISTRIBUTIONS,
@@ -64,7 +66,6 @@ from megatron_logra.config.rl import (
     LossConfig,
     MathVerifyConfig,
     PaperAdvantageConfig,
-    PaperLossConfig,
     RewardConfig,
     RLConfig,
     SamplingConfig,
@@ -82,7 +83,7 @@ from megatron_logra.config.root import COMMAND_DEFAULTS, COMMANDS, Config
 from megatron_logra.config.run import CheckpointConfig, RunConfig, TrainConfig
 
 __all__ = [
-    "ACTIVATIONS", "ATTENTIONS", "COMMANDS", "COMMAND_DEFAULTS", "DATA_FORMATS", "DEVICES",
+    "ACTIVATIONS", "ATTENTIONS", "COMMANDS", "CORRECTIONS", "COMMAND_DEFAULTS", "DATA_FORMATS", "DEVICES",
     "DIRECTIONS",
     "DISTRIBUTIONS", "FAILURE_POLICIES", "LOGRA_MODES", "LR_DECAY_STYLES", "MASTER_WEIGHTS",
     "NATIVE_OPTIMIZERS", "NORMALIZATIONS", "OPTIMIZERS", "PACKING_ALGORITHMS", "PARAMS_DTYPES", "POSITION_EMBEDDINGS",
@@ -91,7 +92,7 @@ __all__ = [
     "AdvantagesConfig", "CheckpointConfig", "Config", "DataConfig", "EvalConfig",
     "GrpoLossConfig", "KLControlConfig", "LoGRAConfig", "LoRAConfig", "LossConfig",
     "MathVerifyConfig", "ModelConfig", "OptimizerConfig", "PackingConfig", "PaperAdvantageConfig",
-    "PaperLossConfig", "ParallelConfig", "PROBLEM_FILE_SUFFIXES", "PromptConfig", "RLConfig", "RewardConfig", "RolloutConfig", "RunConfig", "SyncConfig",
+    "PaperLossConfig", "CorrectionConfig", "ParallelConfig", "PROBLEM_FILE_SUFFIXES", "PromptConfig", "RLConfig", "RewardConfig", "RolloutConfig", "RunConfig", "SyncConfig",
     "SamplingConfig", "SPLIT_CANDIDATES", "TrainConfig", "check_key", "config_from_dict", "load_config",
     "parse_override",
 ]

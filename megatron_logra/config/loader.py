@@ -31,7 +31,8 @@ _MOVED: dict[str, str] = {
     **{f"rl.{k}": f"rl.sampling.{k}" for k in ("max_new_tokens", "temperature", "top_p")},
     **{f"rl.{k}": f"rl.advantages.paper.{k}" for k in (
         "failure_reward", "running_baseline_weight", "response_length_reference")},
-    "rl.importance_weight_cap": "rl.loss.paper.importance_weight_cap",
+    "rl.importance_weight_cap": "rl.loss.correction.tis_cap",
+    "rl.loss.paper.importance_weight_cap": "rl.loss.correction.tis_cap",
     **{f"rl.{k}": f"rl.loss.grpo.{k}" for k in ("clip_low", "clip_high", "kl_beta")},
     **{f"rl.eval_{k}": f"rl.eval.{k}" for k in (
         "interval", "prompts", "samples", "temperature", "top_p")},

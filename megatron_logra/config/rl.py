@@ -1,7 +1,7 @@
 """The ``rl`` section and its parts: sampling, the policy loss, advantages, the reward (with
 math-verify's settings) and held-out evaluation.
 
-The small per-component configs (``PaperLossConfig``, ``GrpoLossConfig``,
+The small per-component configs (``GrpoLossConfig``, ``CorrectionConfig``,
 ``PaperAdvantageConfig``, ``RewardConfig``) are the very objects the ``megatron_logra.rl``
 functions take: a knob is declared once, here, and reaches its user unchanged.
 """
@@ -17,6 +17,7 @@ from megatron_logra.config.checks import (
     check_positive,
     validate_subsections,
 )
+from megatron_logra.config.off_policy import CorrectionConfig
 
 RL_LOSSES: tuple[str, ...] = ("paper", "grpo")
 """Loss presets; each also fixes its advantage estimator (megatron_logra.rl.presets)."""
@@ -45,21 +46,6 @@ class SamplingConfig:
         check_positive(f"{path}.max_new_tokens", self.max_new_tokens)
         check_positive(f"{path}.temperature", self.temperature)
         check_fraction(f"{path}.top_p", self.top_p, closed="high")
-
-
-@dataclass(frozen=True, kw_only=True)
-class PaperLossConfig:
-    """The ``paper`` loss: REINFORCE with a detached truncated importance weight."""
-
-    importance_weight_cap: float = 2.0
-    """Upper bound of the truncated importance weight ``min(pi_old / pi_rollout, cap)``."""
-
-    def validate(self, path: str = "rl.loss.paper") -> None:
-        if not (math.isfinite(self.importance_weight_cap) and self.importance_weight_cap > 0):
-            raise ValueError(
-                f"{path}.importance_weight_cap={self.importance_weight_cap!r} must be a positive "
-                "number; the paper uses 2"
-            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,8 +80,10 @@ class LossConfig:
     """``paper``: REINFORCE with a running baseline, failure reward, length weighting and a
     detached truncated importance weight; ``grpo``: group-normalised advantages over
     rl.samples_per_prompt responses, clipped ratio, optional k3 reference KL."""
-    paper: PaperLossConfig = field(default_factory=PaperLossConfig)
     grpo: GrpoLossConfig = field(default_factory=GrpoLossConfig)
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
+    """The importance weights against the rollout engine's log-probs (both presets; the
+    paper's truncated weight is ``tis`` with ``tis_cap`` 2)."""
 
     def validate(self, path: str = "rl.loss") -> None:
         check_choice(f"{path}.name", self.name, RL_LOSSES)

@@ -57,6 +57,15 @@ class RolloutConfig:
     ``rollout.devices=[4,5,6,7]`` beside a 4-rank trainer); the engine sees only them
     (CUDA_VISIBLE_DEVICES). Empty: the engine's device follows parallel.device (on CUDA, its
     ranks would take the trainer's first devices)."""
+    max_staleness: int = 0
+    """How many policy versions (RL steps) a batch may lag the policy it trains: 0 is the
+    synchronous loop (generate, then train); N >= 1 lets the separate engine generate the next
+    N batches while the trainer updates on the current one (1: one step off policy). Needs
+    rollout.placement=separate; docs/async.md."""
+    cpus: list[int] = field(default_factory=list)
+    """CPU cores of a separate engine on the CPU, one per engine TP rank (engine rank ``r`` is
+    pinned to ``cpus[r]``; vLLM binds its worker threads there): keeps the engine off the
+    trainer's cores. Empty: the engine's processes run where the trainer's may."""
 
     def validate(self, path: str = "rollout") -> None:
         check_choice(f"{path}.placement", self.placement, PLACEMENTS)
@@ -74,6 +83,18 @@ class RolloutConfig:
                     f"{path}.devices={self.devices} names {len(self.devices)} device(s) for "
                     f"{path}.tp={self.tp} engine rank(s): give one device per engine rank")
         check_positive(f"{path}.request_timeout_s", self.request_timeout_s)
+        if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or \
+                self.max_staleness < 0:
+            raise ValueError(f"{path}.max_staleness={self.max_staleness!r} must be an integer "
+                             ">= 0 (0: synchronous; 1: one step off policy)")
+        if self.cpus:
+            if len(set(self.cpus)) != len(self.cpus) or min(self.cpus) < 0:
+                raise ValueError(f"{path}.cpus={self.cpus} must be distinct CPU core indices "
+                                 ">= 0")
+            if len(self.cpus) != self.tp:
+                raise ValueError(f"{path}.cpus={self.cpus} names {len(self.cpus)} core(s) for "
+                                 f"{path}.tp={self.tp} engine rank(s): give one core per "
+                                 "engine rank")
         if not isinstance(self.vllm_venv, str):
             raise ValueError(f"{path}.vllm_venv={self.vllm_venv!r} must be a directory path "
                              "(empty: the checkout's .venv-vllm)")
@@ -88,7 +109,7 @@ class RolloutConfig:
 
 
 SEPARATE_ENGINE_FIELDS: tuple[str, ...] = (
-    "engine", "tp", "start_timeout_s", "request_timeout_s", "vllm_venv", "devices")
+    "engine", "tp", "start_timeout_s", "request_timeout_s", "vllm_venv", "devices", "cpus")
 """The rollout fields that only act on a separate engine (with rollout.placement=colocated
 the trainer's ranks sample with their own weights: nothing is started, placed or waited for)."""
 

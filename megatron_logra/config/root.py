@@ -83,6 +83,11 @@ class Config:
         if self.optimizer.name == "logra":
             check_host_merge_chunk(self.logra, m, p.tp)
         self._check_rollout_and_sync()
+        if self.rl.loss.correction.name == "seq_mask_tis" and self.parallel.cp > 1:
+            raise ValueError(
+                f"rl.loss.correction.name=seq_mask_tis masks whole responses by their mean "
+                f"log-ratio, and under parallel.cp={self.parallel.cp} each rank holds only part "
+                "of every response; use tis or icepop, or parallel.cp=1")
         check_moe_run(self)
         check_cp_run(self)
         if self.logra.kl_control.enabled and self.optimizer.name != "logra":
@@ -128,6 +133,12 @@ class Config:
         """A separate engine's own layout must fit the model, and its sync must be exact."""
         ro, s, m = self.rollout, self.sync, self.model
         if not ro.separate:
+            if ro.max_staleness:
+                raise ValueError(
+                    f"rollout.max_staleness={ro.max_staleness} with rollout.placement=colocated: "
+                    "colocated rollouts are sampled by the trainer's own ranks between its "
+                    "updates, so generation cannot overlap training; set "
+                    "rollout.placement=separate (an engine of its own) or rollout.max_staleness=0")
             inert = colocated_inert_settings(ro, s)
             if inert:
                 raise ValueError(f"{', '.join(inert)} with rollout.placement=colocated: there "
@@ -135,6 +146,14 @@ class Config:
                                  "rollout.placement=separate or drop them")
             return
         check_engine_collective_timeout(ro, self.parallel.collective_timeout_s)
+        if ro.max_staleness and self.rl.loss.correction.name == "none":
+            raise ValueError(
+                f"rollout.max_staleness={ro.max_staleness} trains on batches sampled by an older "
+                "policy, and rl.loss.correction.name=none leaves that uncorrected: choose tis, "
+                "icepop or seq_mask_tis (or auto)")
+        if ro.cpus and (ro.devices or self.parallel.device != "cpu"):
+            raise ValueError(f"rollout.cpus={ro.cpus} pins a CPU engine's processes; this engine "
+                             "runs on CUDA (rollout.devices / parallel.device): drop rollout.cpus")
         if ro.devices and self.parallel.device == "cpu":
             raise ValueError(f"rollout.devices={ro.devices} with parallel.device=cpu: the engine "
                              "would run on GPUs, its trainer on the CPU; set parallel.device=cuda "
@@ -315,8 +334,11 @@ class Config:
                 "rl measures the rollout/trainer gap itself: drop it"
             )
         cfg = self._with_kl(dataclasses.replace(kl, temperature=temperature))
+        correction = dataclasses.replace(r.loss.correction, name=r.loss.correction.resolved_name(
+            r.loss.name, self.rollout.max_staleness))
         return dataclasses.replace(
-            cfg, train=dataclasses.replace(cfg.train, global_batch_size=r.global_batch)
+            cfg, train=dataclasses.replace(cfg.train, global_batch_size=r.global_batch),
+            rl=dataclasses.replace(r, loss=dataclasses.replace(r.loss, correction=correction)),
         )
 
     def _with_kl(self, kl: Any) -> Config:

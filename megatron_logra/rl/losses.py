@@ -7,19 +7,23 @@ microbatching. Metrics are returned the same way (detached sums and counts) so t
 exactly; divide by the summed ``num_tokens`` for a mean.
 
 ``paper`` (LoGRA, arXiv 2610.06647): REINFORCE with a detached truncated importance weight that
-corrects for the rollout engine's numerics differing from the trainer's:
+corrects for the rollout engine's numerics (and a stale batch's policy) differing from the
+trainer's:
 
     w_t = min(exp(logp_old_t - logp_rollout_t), cap)                    (detached, cap = 2)
     loss_t = -w_t * A_i * logp_t
 
 ``logp_old`` are the trainer's log-probs of the sampled tokens before the update; in synchronous
-RL they equal the current ones, so by default ``logp.detach()`` is used. No reference KL.
+RL they equal the current ones, so by default ``logp.detach()`` is used. No reference KL. The
+weight is ``rl.loss.correction`` (``megatron_logra.rl.off_policy``): the paper's is ``tis``.
 
 ``grpo``: PPO-style clipped surrogate and an optional k3 reference-KL penalty:
 
     r_t = exp(logp_t - logp_old_t)
-    loss_t = -min(r_t A_i, clip(r_t, 1 - clip_low, 1 + clip_high) A_i)
+    loss_t = -w_t * min(r_t A_i, clip(r_t, 1 - clip_low, 1 + clip_high) A_i)
              + beta * (exp(ref_t - logp_t) - (ref_t - logp_t) - 1)
+
+with ``w_t`` the same correction against the rollout's log-probs when one is given, else 1.
 
 Inputs are ``[B, L]`` log-probs of the sampled tokens (fp32 recommended), a ``[B, L]`` response mask
 (bool or 0/1) and ``[B]`` advantages. Positions outside the mask may hold anything (padding, -inf):
@@ -34,7 +38,8 @@ from typing import NamedTuple
 
 import torch
 
-from megatron_logra.config import GrpoLossConfig, PaperLossConfig
+from megatron_logra.config import CorrectionConfig, GrpoLossConfig
+from megatron_logra.rl.off_policy import importance_weights
 
 
 class TokenLoss(NamedTuple):
@@ -93,7 +98,7 @@ def paper_policy_loss(
     advantages_B: torch.Tensor,
     response_mask_BL: torch.Tensor,
     *,
-    config: PaperLossConfig,
+    config: CorrectionConfig,
     old_logprobs_BL: torch.Tensor | None = None,
 ) -> TokenLoss:
     """REINFORCE with a detached truncated importance weight (the ``paper`` preset).
@@ -106,8 +111,11 @@ def paper_policy_loss(
         old_logprobs_BL: the trainer's log-probs before the update; None means the current ones
             (synchronous RL: one update per batch of rollouts).
 
-    Metrics: ``importance_weight_sum`` (after truncation) and ``truncated_count`` (tokens where
-    the cap was active).
+    ``config``: the correction that makes the weight (``tis``: the paper's truncation).
+
+    Metrics: ``importance_weight_sum`` (after correction), ``truncated_count`` (tokens whose
+    weight is not their raw ratio: truncated or masked), ``importance_ratio_sum`` and
+    ``importance_ratio_max`` of the raw ratio.
     """
     config.validate()
     shape = logprobs_BL.shape
@@ -122,19 +130,11 @@ def paper_policy_loss(
 
     logprobs_BL = _masked(logprobs_BL, valid_BL)
     # The weight is a constant of the surrogate: no gradient flows through it.
-    log_ratio_BL = _masked(old_logprobs_BL.detach() - rollout_logprobs_BL.detach(), valid_BL)
-    raw_weight_BL = log_ratio_BL.exp()
-    weight_BL = raw_weight_BL.clamp(max=config.importance_weight_cap)
+    weights = importance_weights(old_logprobs_BL, rollout_logprobs_BL, valid_BL, config)
     advantages_B1 = advantages_B.detach().to(logprobs_BL.dtype)[:, None]
-    per_token_BL = -(weight_BL * advantages_B1) * logprobs_BL
+    per_token_BL = -(weights.weight_BL * advantages_B1) * logprobs_BL
     loss_sum = _masked(per_token_BL, valid_BL).sum()
-
-    valid_float_BL = valid_BL.to(weight_BL.dtype)
-    metrics = {
-        "importance_weight_sum": (weight_BL * valid_float_BL).sum().detach(),
-        "truncated_count": ((raw_weight_BL > config.importance_weight_cap) & valid_BL).sum(),
-    }
-    return TokenLoss(loss_sum, valid_BL.sum(), metrics)
+    return TokenLoss(loss_sum, valid_BL.sum(), weights.metrics)
 
 
 def grpo_policy_loss(
@@ -145,6 +145,8 @@ def grpo_policy_loss(
     *,
     config: GrpoLossConfig,
     reference_logprobs_BL: torch.Tensor | None = None,
+    rollout_logprobs_BL: torch.Tensor | None = None,
+    correction: CorrectionConfig | None = None,
 ) -> TokenLoss:
     """PPO-clipped surrogate with an optional k3 reference KL (the ``grpo`` preset).
 
@@ -157,6 +159,9 @@ def grpo_policy_loss(
         response_mask_BL: True at generated tokens that count.
         reference_logprobs_BL: the frozen reference policy's log-probs; required when
             ``config.kl_beta > 0``.
+        rollout_logprobs_BL, correction: the engine's log-probs and the correction that
+            weighs each token's surrogate against them (``old_logprobs`` over them); None: no
+            correction.
 
     Metrics: ``ratio_sum``, ``clipped_count`` (tokens whose clipped term was selected and differs
     from the unclipped one, i.e. that get no gradient from the surrogate) and, with a reference,
@@ -183,11 +188,20 @@ def grpo_policy_loss(
     unclipped_BL = ratio_BL * advantages_B1
     clipped_BL = clipped_ratio_BL * advantages_B1
     per_token_BL = -torch.minimum(unclipped_BL, clipped_BL)
+    weight_metrics = {}
+    if correction is not None:
+        if rollout_logprobs_BL is None:
+            raise ValueError("correction needs rollout_logprobs: the engine's log-probs")
+        _check_token_tensor("rollout_logprobs", rollout_logprobs_BL, shape)
+        weights = importance_weights(old_BL, rollout_logprobs_BL, valid_BL, correction)
+        per_token_BL = weights.weight_BL * per_token_BL
+        weight_metrics = weights.metrics
 
     valid_float_BL = valid_BL.to(ratio_BL.dtype)
     metrics = {
         "ratio_sum": (ratio_BL * valid_float_BL).sum().detach(),
         "clipped_count": ((clipped_BL < unclipped_BL) & valid_BL).sum(),
+        **weight_metrics,
     }
     if reference_logprobs_BL is not None:
         _check_token_tensor("reference_logprobs", reference_logprobs_BL, shape)

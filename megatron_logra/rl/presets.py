@@ -4,7 +4,8 @@
 baseline with the failure reward and length weighting (megatron_logra.rl.losses /
 megatron_logra.rl.advantages have the formulas). ``grpo``: the clipped-ratio surrogate with an
 optional k3 reference KL, and group-normalised advantages over each prompt's
-``rl.samples_per_prompt`` responses.
+``rl.samples_per_prompt`` responses. Both weigh tokens by ``rl.loss.correction`` against the
+rollout's log-probs (grpo only when it is not ``none``).
 
 The trainer asks the preset (:func:`build_preset`) instead of testing the loss name: which loss
 to call, which ratio it reports, what the advantage estimator logs and checkpoints, and whether a
@@ -19,7 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
-from megatron_logra.config import GrpoLossConfig, PaperLossConfig, RLConfig
+from megatron_logra.config import CorrectionConfig, GrpoLossConfig, RLConfig
 from megatron_logra.rl.advantages import (
     GroupAdvantageConfig,
     RunningBaselineAdvantage,
@@ -34,6 +35,10 @@ class PolicyLoss(Protocol):
     clips: bool
     """Whether the loss clips its ratio (reports ``clipped_count``; the step logs
     ``clip_fraction``)."""
+    corrects: bool
+    """Whether the loss weighs tokens by an importance weight against the rollout's log-probs
+    (reports ``importance_weight_sum``, ``importance_ratio_sum`` / ``_max`` and
+    ``truncated_count``; megatron_logra.rl.off_policy)."""
 
     def __call__(
         self, logprobs_BL: torch.Tensor, *, rollout_logprobs_BL: torch.Tensor,
@@ -69,6 +74,7 @@ class _TokenPolicyLoss:
     ratio_metric: str
     ratio_sum_key: str
     clips: bool
+    corrects: bool
 
     def __call__(
         self, logprobs_BL: torch.Tensor, *, rollout_logprobs_BL: torch.Tensor,
@@ -92,8 +98,9 @@ class PaperPolicyLoss(_TokenPolicyLoss):
     ratio_metric = "importance_weight_mean"
     ratio_sum_key = "importance_weight_sum"
     clips = False
+    corrects = True
 
-    def __init__(self, config: PaperLossConfig) -> None:
+    def __init__(self, config: CorrectionConfig) -> None:
         self.config = config
 
     def loss(self, logprobs_BL, rollout_logprobs_BL, advantages_B, response_mask_BL,
@@ -109,17 +116,22 @@ class GrpoPolicyLoss(_TokenPolicyLoss):
     ratio_sum_key = "ratio_sum"
     clips = True
 
-    def __init__(self, config: GrpoLossConfig) -> None:
+    def __init__(self, config: GrpoLossConfig,
+                 correction: CorrectionConfig | None = None) -> None:
         self.config = config
+        self.correction = correction if correction is None or correction.name != "none" \
+            else None
+        self.corrects = self.correction is not None
 
     def loss(self, logprobs_BL, rollout_logprobs_BL, advantages_B, response_mask_BL,
              reference_logprobs_BL, old_logprobs_BL) -> TokenLoss:
-        del rollout_logprobs_BL
         # One update per rollout batch: the old policy is the current one (ratio exactly 1).
         old_BL = logprobs_BL.detach() if old_logprobs_BL is None else old_logprobs_BL
         return grpo_policy_loss(logprobs_BL, old_BL, advantages_B,
                                 response_mask_BL, config=self.config,
-                                reference_logprobs_BL=reference_logprobs_BL)
+                                reference_logprobs_BL=reference_logprobs_BL,
+                                rollout_logprobs_BL=rollout_logprobs_BL,
+                                correction=self.correction)
 
 
 class PaperAdvantages:
@@ -182,12 +194,12 @@ def build_preset(rl: RLConfig) -> RLPreset:
     """The preset of ``rl.loss.name`` with its settings."""
     if rl.loss.name == "paper":
         return RLPreset(
-            name="paper", loss=PaperPolicyLoss(rl.loss.paper),
+            name="paper", loss=PaperPolicyLoss(rl.loss.correction),
             advantages=PaperAdvantages(RunningBaselineAdvantage(rl.advantages.paper)),
             needs_reference_model=False,
         )
     return RLPreset(
-        name="grpo", loss=GrpoPolicyLoss(rl.loss.grpo),
+        name="grpo", loss=GrpoPolicyLoss(rl.loss.grpo, rl.loss.correction),
         advantages=GroupAdvantages(rl.samples_per_prompt),
         needs_reference_model=rl.loss.grpo.kl_beta > 0,
     )

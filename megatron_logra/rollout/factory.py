@@ -52,7 +52,7 @@ def _vllm_engine(module, cfg: Config, target_names: Sequence[str]) -> Generation
         seed=cfg.rl.seed, venv=vllm_venv(cfg), log_path=engine_dir(cfg) / "vllm.log",
         start_timeout_s=cfg.rollout.start_timeout_s,
         request_timeout_s=cfg.rollout.request_timeout_s, transport=cfg.sync.transport,
-        channel_device=cfg.parallel.device, devices=cfg.rollout.devices)
+        channel_device=cfg.parallel.device, devices=cfg.rollout.devices, cpus=cfg.rollout.cpus)
 
 
 def make_engine(cfg: Config, target_names: Sequence[str] = ()) -> GenerationEngine:

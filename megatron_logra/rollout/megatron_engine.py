@@ -8,7 +8,8 @@ same GPT from the same config, and connects to the engine's rank 0 over a local 
 body)`` and one reply ``("ok", result)`` or ``("error", message)`` (:mod:`.rpc`); sync records
 travel as the bytes of ``megatron_logra.sync.wire.encode``, or with ``sync.transport=collective``
 as their header, the tensor bytes broadcast to every engine rank (:mod:`.collective_sync`).
-``rollout.devices`` puts the engine's processes on CUDA devices of their own (:mod:`.placement`).
+``rollout.devices`` puts the engine's processes on CUDA devices of their own, ``rollout.cpus`` pins
+them to CPU cores (:mod:`.placement`).
 
 Nothing waits forever: the launch has ``rollout.start_timeout_s``, every request
 ``rollout.request_timeout_s``, and while waiting the client checks that every engine process
@@ -36,7 +37,7 @@ import torch
 from megatron_logra.config import Config, RolloutConfig, SyncConfig
 from megatron_logra.rollout.collective_sync import CollectiveSender, TransportStats, channel_device
 from megatron_logra.rollout.engine import EngineResponse
-from megatron_logra.rollout.placement import engine_device_env
+from megatron_logra.rollout.placement import engine_device_env, pin_to_cpus
 from megatron_logra.rollout.rpc import (
     LIVENESS_POLL_S,
     EngineError,
@@ -135,12 +136,19 @@ class MegatronEngine:
                                                               env.get("PYTHONPATH")]))
             log_path = self.log_dir / f"engine_rank{rank}.log"
             with open(log_path, "w") as log:
-                self._procs.add(f"rank {rank}", subprocess.Popen(
+                process = subprocess.Popen(
                     [sys.executable, "-m", "megatron_logra.mcore.inference.engine_server",
                      "--config", str(config_path), "--port", str(port),
                      "--shadow-targets", str(targets_path)],
                     env=env, stdout=log, stderr=subprocess.STDOUT,
-                ), log_path)
+                )
+                self._procs.add(f"rank {rank}", process, log_path)
+            if ro.cpus:
+                try:
+                    pin_to_cpus(process.pid, [ro.cpus[rank]], f"engine rank {rank}")
+                except ValueError:
+                    self._shutdown(kill=True)
+                    raise
         deadline = time.monotonic() + ro.start_timeout_s
         while self._rpc is None:
             try:

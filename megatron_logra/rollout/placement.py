@@ -1,4 +1,5 @@
-"""Where a separate engine's processes run: ``rollout.devices`` as the engine's environment.
+"""Where a separate engine's processes run: ``rollout.devices`` as the engine's environment, and
+``rollout.cpus`` as the cores a CPU engine is pinned to.
 
 The paper's deployment splits one node, e.g. 4 GPUs for the trainer and 4 for rollouts. The
 engine's processes see only their own devices (``CUDA_VISIBLE_DEVICES``), so engine rank ``r``
@@ -13,6 +14,7 @@ device ``i``; the node runs ``LOCAL_WORLD_SIZE`` trainer ranks (torchrun's; 1 wi
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 
 
@@ -53,3 +55,17 @@ def engine_device_env(devices: Sequence[int], *, cuda_device_count: int,
             f"{trainer} at {overlap}: the engine and the trainer would share "
             "a GPU; give the engine devices of its own")
     return {"CUDA_VISIBLE_DEVICES": ",".join(str(d) for d in devices)}
+
+
+def pin_to_cpus(pid: int, cpus: Sequence[int], what: str) -> None:
+    """Pin process ``pid`` (right after its start: threads it makes later inherit this) to the
+    CPU cores ``cpus`` (``rollout.cpus``); a core the machine does not let it use is a
+    ValueError naming the setting."""
+    if not cpus:
+        return
+    try:
+        os.sched_setaffinity(pid, set(cpus))
+    except OSError as error:
+        raise ValueError(f"rollout.cpus={list(cpus)}: cannot pin {what} to those cores "
+                         f"({error}); this machine offers cores "
+                         f"{sorted(os.sched_getaffinity(0))} to this process") from error

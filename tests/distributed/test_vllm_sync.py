@@ -9,9 +9,10 @@ than their trainer's:
   rollout.engine=vllm``): library mode, fp32, weight decay, a TP=2 trainer (column-parallel
   rows, fc1's [gate_t; up_t], row-parallel column slices; Adam's non-targets shipped dense) ->
   vLLM TP=1, started from the Hugging Face checkpoint the trainer writes, fully synced at start,
-  low-rank synced after every update and checked after every step; then resumed from its
-  step-1 checkpoint with a new engine synced by delta (``sync.mode=delta``), continuing it
-  exactly;
+  low-rank synced after every update and checked after every step, generating each next batch
+  while the trainer updates (``rollout.max_staleness=1``); then resumed from its step-1
+  checkpoint (the next batch in flight, stored in it) with a new engine synced by delta
+  (``sync.mode=delta``), continuing it exactly;
 * a trainer job (tests/distributed/workers/vllm_sync_worker.py, 2 processes, 4 LoGRA updates)
   in paper mode, bf16 weights with fp32 masters, DP=2, which writes the checkpoint and the
   stream of wire records it would send -> vLLM TP=2 (its own sharding), fed that stream here
@@ -84,7 +85,9 @@ EMBEDDING_ROWS = 160
 # [q; k; v], and TP=2 splits whole groups); library mode with weight decay, so every kind of
 # record travels. Every step's weights are checked (sync.check_interval=1). Sampling at T = 0.7:
 # pi_rollout is log softmax(z / T), which vLLM reports only in its processed_logprobs mode (its
-# default gave a mean gap of -1.4e-2 here, 1000x the tolerance).
+# default gave a mean gap of -1.4e-2 here, 1000x the tolerance). vLLM generates each next batch
+# while the trainer updates (rollout.max_staleness=1): batches 1 and 2 come from version 0, batch
+# 3 from version 1.
 RL_OVERRIDES = [
     "parallel.tp=2", "model.hidden_size=128", "model.ffn_hidden_size=256",
     f"model.vocab_size={EMBEDDING_ROWS}",
@@ -95,6 +98,7 @@ RL_OVERRIDES = [
     "rl.eval.interval=0", "rl.eval.prompts=8", "rl.eval.samples=2",
     "logra.kl_control.probe_responses=4", "rollout.placement=separate", "rollout.engine=vllm",
     "rollout.tp=1", "sync.check_interval=1", "rollout.start_timeout_s=900",
+    "rollout.max_staleness=1",
 ]
 
 
@@ -191,15 +195,17 @@ def test_rl_run_with_a_tp1_vllm_engine_checks_its_weights_equal_to_the_tp2_train
 
 def test_rl_run_vllm_rollout_logprobs_at_temperature_agree_with_the_trainers_recomputation(
         rl_run_with_tp1_vllm_engine):
-    # On policy, |log pi_rollout (vLLM's sampling log-probs at T = 0.7) - log pi_trainer (the
-    # TP=2 trainer's recomputation of the same tokens at T, over the tokenizer's vocabulary)|
-    # at every generated token of the step: its maximum, which opposite errors cannot cancel.
-    # With the padded embedding rows in vLLM's softmax the gap was ~0.5 nats (and ids beyond
-    # the tokenizer were sampled).
-    for r in rl_run_with_tp1_vllm_engine:
-        assert r["tokens"] > 0
-        assert r["logprob_gap_max"] <= LOGPROB_TOL["float32"]
-        assert abs(r["logprob_gap_all_tokens"]) <= r["logprob_gap_max"]
+    # On policy (step 1's batch; the later ones are one version stale), |log pi_rollout (vLLM's
+    # sampling log-probs at T = 0.7) - log pi_trainer (the TP=2 trainer's recomputation of the
+    # same tokens at T, over the tokenizer's vocabulary)| at every generated token of the step:
+    # its maximum, which opposite errors cannot cancel. With the padded embedding rows in
+    # vLLM's softmax the gap was ~0.5 nats (and ids beyond the tokenizer were sampled).
+    steps = rl_run_with_tp1_vllm_engine
+    assert [r["batch_version"] for r in steps] == [0, 0, 1]
+    assert [r["staleness"] for r in steps] == [0, 1, 1]
+    assert all(r["tokens"] > 0 for r in steps)
+    assert steps[0]["logprob_gap_max"] <= LOGPROB_TOL["float32"]
+    assert abs(steps[0]["logprob_gap_all_tokens"]) <= steps[0]["logprob_gap_max"]
 
 
 def test_resumed_rl_run_resyncs_a_fresh_vllm_engine_and_continues_the_uninterrupted_run(
@@ -218,6 +224,9 @@ def test_resumed_rl_run_resyncs_a_fresh_vllm_engine_and_continues_the_uninterrup
     not compared."""
     full, resumed = rl_run_with_tp1_vllm_engine, resumed_rl_run_with_tp1_vllm_engine
     assert [r["step"] for r in resumed] == list(range(1, RL_STEPS + 1))
+    # Batch 2 was in flight at the step-1 checkpoint: the resumed job trains on the stored batch
+    # (version 0, from the first engine), not on one generated again by the new engine.
+    assert resumed[RESUME_AT]["batch_version"] == 0
     for want, got in zip(full[RESUME_AT:], resumed[RESUME_AT:], strict=True):
         assert got["sync_weights_match"] is True
         assert 0 < got["sync_bytes"] < got["sync_full_bytes"]

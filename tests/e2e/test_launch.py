@@ -123,8 +123,11 @@ PREFLIGHT_WALL_S = 60
           "rollout.vllm_venv=no-such-venv"],
          "rollout.engine=vllm: the vLLM venv no-such-venv (rollout.vllm_venv='no-such-venv') "
          "does not exist: run `make setup-vllm`"),
+        # Generation overlapping training needs an engine of its own.
+        (["rl", RL_CONFIG, "rollout.max_staleness=1"],
+         "rollout.max_staleness=1 with rollout.placement=colocated"),
     ],
-    ids=["bad_value", "world_size", "no_vllm_venv"],
+    ids=["bad_value", "world_size", "no_vllm_venv", "colocated_staleness"],
 )
 def test_single_node_script_refuses_a_bad_configuration_with_exit_code_2_before_any_rank(
         args, message, tmp_path):
@@ -327,6 +330,21 @@ def test_slurm_sbatch_script_asks_for_the_nodes_and_gpus_and_runs_torchrun_of_th
 )
 def test_recipes_run_the_cli_with_their_knobs_before_the_callers_overrides(recipe, expected):
     assert recipe().to_command(with_entrypoint=True) == ["python", "-m", "megatron_logra", *expected]
+
+
+ONE_STEP_OFF = ["rollout.placement=separate", "rollout.max_staleness=1"]
+
+
+def test_the_launch_preflight_and_the_recipes_accept_one_step_off_rollouts(tmp_path):
+    """What the launch scripts run before any rank (``megatron_logra check``) accepts a
+    separate engine generating one step ahead, and the recipes pass the setting to the CLI."""
+    result = subprocess.run(
+        [sys.executable, "-m", "megatron_logra", "check", "--world-size=2", "rl", RL_CONFIG,
+         *ONE_STEP_OFF, f"run.dir={tmp_path / 'run'}"],
+        cwd=REPO, env=_script_env(), capture_output=True, text=True, timeout=PREFLIGHT_WALL_S)
+    assert result.returncode == 0, result.stderr
+    for recipe in (logra_rl_recipe, dense_rl_recipe):
+        assert recipe(RL_CONFIG, ONE_STEP_OFF).to_command()[-2:] == ONE_STEP_OFF
 
 
 @pytest.mark.parametrize(

@@ -27,7 +27,7 @@ MATH_MODULES: tuple[str, ...] = (
     "projection", "sketch", "sketch_buffer", "row_adam", "row_adam_paper", "direction", "kl",
     "controller", "master_weights", "row_sharding", "step_scale", "logra_mode", "finite_check",
     "bf16_remainder", "merge_chunks",
-    "rl/advantages", "rl/losses", "rl/pass_at_k", "rl/presets",
+    "rl/advantages", "rl/losses", "rl/off_policy", "rl/pass_at_k", "rl/presets",
 )
 # What a math module may import of ours: other math modules and the config schema (names and
 # small configs), nothing that orchestrates.

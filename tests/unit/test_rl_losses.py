@@ -28,9 +28,9 @@ import math
 import pytest
 import torch
 
+from megatron_logra.config import CorrectionConfig
 from megatron_logra.rl.losses import (
     GrpoLossConfig,
-    PaperLossConfig,
     grpo_policy_loss,
     paper_policy_loss,
     rollout_gap_max,
@@ -41,6 +41,9 @@ from megatron_logra.rl.losses import (
 # each rounding by ~1e-16 relative, so 1e-12 leaves three orders of margin.
 FP64_TOL = 1e-12
 
+# The paper's weight: truncated importance sampling at cap 2 (rl.loss.correction's default for
+# the paper preset).
+PAPER = CorrectionConfig(name="tis")
 PAPER_LOGP = [[-0.5, -1.0, -2.0], [-0.25, -4.0, -math.inf]]
 PAPER_RAW_WEIGHT = [[1.5, 3.0, 0.5], [1.0, 1.0, 1.0]]
 MASK = [[True, True, True], [True, True, False]]
@@ -58,7 +61,7 @@ def _paper_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Ten
 def test_paper_loss_sum_count_and_metrics_match_hand_computed_values():
     logp, rollout, advantages, mask = _paper_inputs()
     loss_sum, num_tokens, metrics = paper_policy_loss(
-        logp, rollout, advantages, mask, config=PaperLossConfig()
+        logp, rollout, advantages, mask, config=PAPER
     )
     assert loss_sum.item() == pytest.approx(3.25, abs=FP64_TOL)
     assert num_tokens.item() == 5
@@ -68,7 +71,7 @@ def test_paper_loss_sum_count_and_metrics_match_hand_computed_values():
 
 def test_paper_loss_gradient_is_minus_truncated_weight_times_advantage():
     logp, rollout, advantages, mask = _paper_inputs()
-    loss_sum, _, _ = paper_policy_loss(logp, rollout, advantages, mask, config=PaperLossConfig())
+    loss_sum, _, _ = paper_policy_loss(logp, rollout, advantages, mask, config=PAPER)
     loss_sum.backward()
     expected = torch.tensor([[-3.0, -4.0, -1.0], [1.0, 1.0, 0.0]], dtype=torch.float64)
     torch.testing.assert_close(logp.grad, expected, rtol=0.0, atol=FP64_TOL)
@@ -79,7 +82,7 @@ def test_paper_loss_does_not_differentiate_through_old_or_rollout_logprobs():
     old = logp.detach().clone().requires_grad_(True)
     rollout = rollout.clone().requires_grad_(True)
     loss_sum, _, _ = paper_policy_loss(
-        logp, rollout, advantages, mask, config=PaperLossConfig(), old_logprobs_BL=old
+        logp, rollout, advantages, mask, config=PAPER, old_logprobs_BL=old
     )
     loss_sum.backward()
     assert old.grad is None
@@ -89,11 +92,11 @@ def test_paper_loss_does_not_differentiate_through_old_or_rollout_logprobs():
     torch.testing.assert_close(logp.grad, expected, rtol=0.0, atol=FP64_TOL)
 
 
-def test_paper_loss_cap_is_configurable():
+def test_paper_loss_cap_is_the_corrections_tis_cap():
     logp, rollout, advantages, mask = _paper_inputs()
     # cap 1: weights [[1, 1, 0.5], [1, 1]] -> loss [[1, 2, 2], [-0.25, -4]] = 0.75
     loss_sum, _, metrics = paper_policy_loss(
-        logp, rollout, advantages, mask, config=PaperLossConfig(importance_weight_cap=1.0)
+        logp, rollout, advantages, mask, config=CorrectionConfig(name="tis", tis_cap=1.0)
     )
     assert loss_sum.item() == pytest.approx(0.75, abs=FP64_TOL)
     assert metrics["truncated_count"].item() == 2
@@ -186,7 +189,7 @@ def _random_batch(seed: int) -> dict[str, torch.Tensor]:
 def _paper(batch: dict[str, torch.Tensor], logp: torch.Tensor, rows: slice):
     return paper_policy_loss(
         logp[rows], batch["other"][rows], batch["advantages"][rows], batch["mask"][rows],
-        config=PaperLossConfig(),
+        config=PAPER,
     )
 
 
@@ -216,7 +219,8 @@ def test_two_microbatches_give_the_whole_batch_token_mean_and_gradient(loss_fn):
     assert split_mean.item() == pytest.approx(whole_mean.item(), abs=FP64_TOL)
     torch.testing.assert_close(split_logp.grad, whole_logp.grad, rtol=0.0, atol=FP64_TOL)
     for key, value in whole.metrics.items():
-        split_value = sum(part.metrics[key] for part in parts)
+        combine = max if key.endswith("_max") else sum
+        split_value = combine(part.metrics[key] for part in parts)
         assert split_value.item() == pytest.approx(value.item(), abs=FP64_TOL)
 
 
@@ -256,7 +260,7 @@ def test_paper_loss_rejects_malformed_inputs_naming_them(kwargs, match):
     inputs = {"logprobs_BL": logp, "rollout_logprobs_BL": rollout, "advantages_B": advantages,
               "response_mask_BL": mask, **kwargs}
     with pytest.raises(ValueError, match=match):
-        paper_policy_loss(**inputs, config=PaperLossConfig())
+        paper_policy_loss(**inputs, config=PAPER)
 
 
 def test_grpo_loss_with_kl_needs_reference_logprobs():
@@ -268,7 +272,9 @@ def test_grpo_loss_with_kl_needs_reference_logprobs():
 @pytest.mark.parametrize(
     ("config", "field"),
     [
-        (PaperLossConfig(importance_weight_cap=0.0), "importance_weight_cap"),
+        (CorrectionConfig(tis_cap=0.0), "tis_cap"),
+        (CorrectionConfig(mask_low=2.0, mask_high=1.0), "mask_low"),
+        (CorrectionConfig(name="clip"), "correction.name"),
         (GrpoLossConfig(clip_low=1.0), "clip_low"),
         (GrpoLossConfig(clip_high=-0.1), "clip_high"),
         (GrpoLossConfig(kl_beta=-1.0), "kl_beta"),

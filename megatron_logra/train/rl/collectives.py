@@ -1,6 +1,6 @@
-"""The collectives of an RL step, with explicit process groups: two over data parallelism, one
-over a replica's context-parallel ranks, a maximum over the world, one that hands rank 0's
-result (or its error) to every rank."""
+"""The collectives of an RL step, with explicit process groups: three over data parallelism, one
+over a replica's context-parallel ranks, maxima over the world, one that hands rank 0's result
+(or its error) to every rank."""
 
 from __future__ import annotations
 
@@ -43,6 +43,16 @@ def world_max(value: torch.Tensor) -> float:
     largest = value.detach().clone().to(torch.float64)
     dist.all_reduce(largest, op=dist.ReduceOp.MAX)
     return float(largest)
+
+
+def replica_max(values: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
+    """The largest of non-negative quantities held by the last pipeline stage, over the world
+    (the other ranks contribute 0)."""
+    top = values.clone().to(torch.float64)
+    if not groups.is_last_stage():
+        top.zero_()
+    dist.all_reduce(top, op=dist.ReduceOp.MAX)
+    return top
 
 
 def from_world_rank0(call: Callable[[], Any], what: str) -> Any:

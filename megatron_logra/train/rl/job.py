@@ -3,7 +3,10 @@
 1. **rollouts** (:mod:`.rollouts`): the step's global prompt list (``rl.prompts_per_step`` x
    ``rl.samples_per_prompt``); the rollout engine samples this data-parallel rank's share with
    the current weights; rewards of the share; correctness and lengths gathered over DP, and the
-   preset's advantages computed on the whole global batch, identically on every rank;
+   preset's advantages computed on the whole global batch, identically on every rank. A
+   separate engine's batches come from :mod:`.rollout_pipeline`: requested up to
+   ``rollout.max_staleness`` steps ahead, so that with it > 0 the engine generates while the
+   trainer updates, each tagged with the policy version that generated it (docs/async.md);
 2. **batching** (:mod:`.update_batches`): the step's sequences packed into token-budget rows
    balanced over DP (train.packing, the default) or padded to model.seq_length
    (:mod:`.batching`), with the reference and old log-probs over the same microbatches; the KL
@@ -23,6 +26,7 @@ plots) is :mod:`megatron_logra.train.loop`'s.
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -44,6 +48,8 @@ from megatron_logra.rl.eval_answers import eval_answers_path, write_eval_answers
 from megatron_logra.rl.presets import build_preset
 from megatron_logra.rl.prompt_schedule import PromptSchedule
 from megatron_logra.rl.rewards import build_reward
+from megatron_logra.rl.rollout import SamplingParams
+from megatron_logra.rollout.engine_queue import EngineQueue, QueuedEngine
 from megatron_logra.rollout.factory import make_engine, vllm_checkpoint_dir
 from megatron_logra.train.loop import run
 from megatron_logra.train.metrics import memory_bytes
@@ -60,8 +66,11 @@ from megatron_logra.train.rl.rollout_log import (
     keep_rollouts_up_to,
     rollout_records,
 )
-from megatron_logra.train.rl.rollouts import collect_rollouts
+from megatron_logra.train.rl.rollout_pipeline import RolloutPipeline, async_step_metrics
+from megatron_logra.train.rl.rollouts import collect_rollouts, sampling_params, step_seed
 from megatron_logra.train.rl.update_batches import update_batches
+
+logger = logging.getLogger(__name__)
 
 
 def rl(cfg: Config) -> dict[str, Any]:
@@ -100,6 +109,7 @@ class RLJob:
         self.setup = setup_training(cfg, chunks, groups, kl_vocab_size=tokenizer.vocab_size)
         self.separate_engine = None
         self.sync: PolicySync | None = None
+        self.pipeline: RolloutPipeline | None = None
         if cfg.rollout.separate:
             if cfg.rollout.engine == "vllm":
                 # vLLM loads a Hugging Face checkpoint: the policy, through our converter, with
@@ -119,14 +129,28 @@ class RLJob:
                 started[0].start()
             waits.run(start, "starting the rollout engine")
             self.separate_engine = started[0] if started else None
-            self.engine = SeparateEngineRollouts(self.separate_engine, groups, waits,
+            # Every call to the engine goes through one queue, in order (rank 0): on a thread
+            # of its own when batches are generated ahead (rollout.max_staleness > 0). The
+            # other ranks wait on rank 0's calls through `waits`, as long as the engine's own
+            # timeouts allow.
+            calls = queued = None
+            if self.separate_engine is not None:
+                calls = EngineQueue(self.separate_engine,
+                                    background=cfg.rollout.max_staleness > 0,
+                                    request_timeout_s=cfg.rollout.request_timeout_s)
+                queued = QueuedEngine(calls)
+            self.waits = waits
+            self.engine = SeparateEngineRollouts(queued, groups, waits,
                                                  vocab_size=tokenizer.vocab_size)
-            self.sync = PolicySync(cfg, self.setup, groups, self.separate_engine, waits)
+            self.sync = PolicySync(cfg, self.setup, groups, queued, waits)
+            self.pipeline = RolloutPipeline(calls, groups, waits, vocab_size=tokenizer.vocab_size,
+                                            max_staleness=cfg.rollout.max_staleness)
         else:
             self.engine = MegatronSampler(self.setup.model_chunks, groups,
                                           vocab_size=tokenizer.vocab_size)
         self.reward = build_reward(r.reward)
         self._resumed_updates = 0
+        self._in_flight: dict[str, Any] | None = None  # a checkpoint's batches, until restored
 
     # ------------------------------------------------------------------ the loop's hooks
 
@@ -134,24 +158,42 @@ class RLJob:
         self._resumed_updates = start_step * self.cfg.rl.updates_per_rollout
         if self.groups.world_rank == 0:
             keep_rollouts_up_to(Path(self.cfg.run.dir), start_step)
+        if self.pipeline is not None:
+            self.pipeline.load_state_dict(
+                self._in_flight, prompts_of=lambda s: self._step_batch(s)[0],
+                params=sampling_params(self.cfg.rl, self.encoder.stop_ids),
+                seed_of=lambda s: step_seed(self.cfg.rl.seed, s), start_step=start_step)
+        elif self._in_flight and self._in_flight.get("batches"):
+            logger.warning("the checkpoint holds %d rollout batch(es) of a separate engine in "
+                           "flight; colocated rollouts generate them again",
+                           len(self._in_flight["batches"]))
         self._sync_before_rollouts()
         return [{"step": 0, **self._evaluate(0)}] if start_step == 0 else []
 
     def after_step(self, completed: int) -> dict[str, Any]:
         interval = self.cfg.rl.eval.interval
+        if completed == self.cfg.train.steps and self.pipeline is not None:
+            # The last step's sync records were posted: their errors surface before the end.
+            self.waits.run(lambda: self.pipeline.calls.drain(), "rollout engine sync")
         if completed == self.cfg.train.steps or (interval and completed % interval == 0):
             return self._evaluate(completed)
         return {}
 
     def checkpoint_state(self) -> dict[str, Any]:
-        return {"rl": {"advantage": self.preset.advantages.state_dict()}}
+        state = {"advantage": self.preset.advantages.state_dict()}
+        if self.pipeline is not None:
+            state["in_flight"] = self.pipeline.state_dict()
+        return {"rl": state}
 
     def load_checkpoint_state(self, common: dict[str, Any]) -> None:
         self.preset.advantages.load_state_dict(common["rl"]["advantage"])
+        self._in_flight = common["rl"].get("in_flight")
 
     def close(self) -> None:
         self.reward.close()
-        if self.separate_engine is not None:
+        if self.pipeline is not None and self.pipeline.calls is not None:
+            self.pipeline.calls.close()  # stops its thread, closes the engine
+        elif self.separate_engine is not None:
             self.separate_engine.close()
 
     def _sync_before_rollouts(self) -> dict[str, Any]:
@@ -165,11 +207,17 @@ class RLJob:
     def step(self, step: int) -> dict[str, Any]:
         cfg, groups, setup = self.cfg, self.groups, self.setup
         start = time.perf_counter()
+        waited = self._engine_waited()
         first_sync = self._sync_before_rollouts()
         rollout_start = time.perf_counter()
         problems = self.schedule.step_problems(step)
+        engine = self.engine
+        if self.pipeline is not None:
+            # The policy's version is the number of completed steps.
+            engine = self.pipeline.for_step(step, version=step, last_step=cfg.train.steps - 1,
+                                            batch_of=self._step_batch)
         scored = collect_rollouts(
-            self.engine, self.encoder, self.reward, self.preset.advantages,
+            engine, self.encoder, self.reward, self.preset.advantages,
             problems, rl=cfg.rl, step=step, groups=groups,
         )
         rollout_done = time.perf_counter()
@@ -209,9 +257,21 @@ class RLJob:
         kl_metrics = control.metrics(control.realised()) if control is not None else {}
         if groups.device.type == "cuda":
             torch.cuda.synchronize()
-        elapsed = time.perf_counter() - start
+        end = time.perf_counter()
+        elapsed = end - start
         sums = update.sums
         generated = sum(scored.lengths)
+        overlap = {}
+        if self.pipeline is not None:
+            overlap = async_step_metrics(engine.taken, self.pipeline.calls, start=start, end=end,
+                                         waited_before=waited)
+        correction = {}
+        if self.preset.loss.corrects:
+            tokens = max(first.sums.tokens, 1.0)
+            correction = {"importance_weight_mean": first.sums.weight_sum / tokens,
+                          "importance_ratio_mean": first.sums.raw_ratio_sum / tokens,
+                          "importance_ratio_max": first.ratio_max,
+                          "importance_truncated_fraction": first.sums.truncated_tokens / tokens}
         return {
             "step": step + 1,
             "loss": sums.loss_sum / max(sums.tokens, 1.0),
@@ -226,6 +286,7 @@ class RLJob:
             self.preset.loss.ratio_metric: sums.ratio_sum / max(sums.tokens, 1.0),
             **({"clip_fraction": clipped / max(clip_tokens, 1.0)}
                if self.preset.loss.clips else {}),
+            **correction,
             "rollout_trainer_gap": first.mismatch,
             "logprob_gap_all_tokens": sums.all_gap_sum / max(sums.all_gap_tokens, 1.0),
             "logprob_gap_max": first.gap_max,
@@ -244,7 +305,18 @@ class RLJob:
             "mem_bytes": memory_bytes(groups.device),
             **self.preset.advantages.metrics(),
             **sync_metrics,
+            **overlap,
         }
+
+    def _step_batch(self, step: int) -> tuple[list[list[int]], SamplingParams, int]:
+        """Step ``step``'s prompt ids, sampling and seed, as collect_rollouts asks for them."""
+        return (self.encoder.prompt_ids(self.schedule.step_problems(step)),
+                sampling_params(self.cfg.rl, self.encoder.stop_ids),
+                step_seed(self.cfg.rl.seed, step))
+
+    def _engine_waited(self) -> float:
+        calls = self.pipeline.calls if self.pipeline is not None else None
+        return calls.waited_s if calls is not None else 0.0
 
     def _evaluate(self, step: int) -> dict[str, float]:
         metrics, answers = evaluate(self.engine, self.encoder, self.reward, self.eval_problems,

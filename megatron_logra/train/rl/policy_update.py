@@ -30,7 +30,7 @@ from megatron_logra.probe_batch import ProbeBatch
 from megatron_logra.rl.losses import rollout_gap_max, rollout_mismatch_sums
 from megatron_logra.rl.presets import PolicyLoss
 from megatron_logra.train.rl.batching import RLMicrobatch
-from megatron_logra.train.rl.collectives import replica_sum, world_max
+from megatron_logra.train.rl.collectives import replica_max, replica_sum, world_max
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,12 @@ class LossSums:
     reference_kl_sum: float
     """The k3 estimate of KL(pi_trainer || pi_reference) over the valid tokens (GRPO with a
     reference model; the loss adds it times rl.loss.grpo.kl_beta), else 0."""
+    weight_sum: float
+    """The off-policy correction's weights (megatron_logra.rl.off_policy), 0 without one."""
+    raw_ratio_sum: float
+    """Its raw ratios ``pi_trainer / pi_rollout`` before truncation or masking."""
+    truncated_tokens: float
+    """Tokens whose weight is not their raw ratio (truncated or masked)."""
 
     def to_tensor(self) -> torch.Tensor:
         return torch.tensor([getattr(self, f.name) for f in dataclasses.fields(self)],
@@ -75,6 +81,8 @@ class PolicyUpdate:
     grad_norm: float | None
     gap_max: float = 0.0
     """The largest ``|log pi_rollout - log pi_trainer|`` over every generated token."""
+    ratio_max: float = 0.0
+    """The largest raw importance ratio of the batch (0 without a correction)."""
 
     @property
     def mismatch(self) -> float | None:
@@ -112,10 +120,14 @@ def _forward_step(
             every.gap_sum, torch.as_tensor(every.num_tokens, dtype=torch.float64),
             token_loss.metrics.get("clipped_count", torch.zeros((), dtype=torch.float64)),
             token_loss.metrics.get("kl_sum", torch.zeros((), dtype=torch.float64)),
+            *(token_loss.metrics.get(key, torch.zeros((), dtype=torch.float64)) for key in (
+                "importance_weight_sum", "importance_ratio_sum", "truncated_count")),
         )
         gap_max = rollout_gap_max(logprobs.detach(), batch.rollout_logprobs, batch.response_mask)
-        return (token_loss.loss_sum, token_loss.num_tokens.to(torch.int),
-                {"rl": report, "rl_gap_max": gap_max})
+        ratio_max = token_loss.metrics.get("importance_ratio_max",
+                                           torch.zeros((), dtype=torch.float64))
+        return token_loss.loss_sum, token_loss.num_tokens.to(torch.int), {
+            "rl": report, "rl_gap_max": gap_max, "ratio_max": ratio_max.double().reshape(1)}
 
     return output, loss_func
 
@@ -152,9 +164,11 @@ def update_policy(
     local = torch.zeros(len(dataclasses.fields(LossSums)), dtype=torch.float64,
                         device=groups.device)
     gap_max = torch.zeros((), dtype=torch.float64, device=groups.device)
+    ratio_max = torch.zeros(1, dtype=torch.float64, device=groups.device)
     for report in reports:
         local += report["rl"].to(groups.device)
         gap_max = torch.maximum(gap_max, report["rl_gap_max"].to(groups.device))
+        ratio_max = torch.maximum(ratio_max, report["ratio_max"].to(groups.device))
     sums = LossSums.from_tensor(replica_sum(local, groups))
     # The sums are the same on every rank (summed over the world): all refuse together, after
     # backward filled the sketches and grads (zeroed by the next step) but before any step.
@@ -164,7 +178,8 @@ def update_policy(
             f"{sums.tokens:.0f} tokens) at optimizer step {setup.scheduler.num_steps + 1}; the "
             "optimizer was not stepped: no weight was changed"
         )
-    update = PolicyUpdate(sums=sums, grad_norm=None, gap_max=world_max(gap_max))
+    update = PolicyUpdate(sums=sums, grad_norm=None, gap_max=world_max(gap_max),
+                          ratio_max=float(replica_max(ratio_max, groups)[0]))
     control = setup.kl_control
     if control is not None:
         if observe_mismatch:
