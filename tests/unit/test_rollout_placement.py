@@ -60,7 +60,7 @@ def test_bad_rollout_and_sync_values_are_refused_naming_field_value_and_choices(
 SEPARATE_ONLY_VALUES = {
     "rollout.engine": "vllm", "rollout.tp": "2", "rollout.start_timeout_s": "1200",
     "rollout.request_timeout_s": "3600", "rollout.vllm_venv": "/opt/vllm-venv",
-    "rollout.devices": "[4]", "sync.mode": "full", "sync.wire_dtype": "bf16",
+    "rollout.devices": "[4]", "rollout.cpus": "[0]", "sync.mode": "full", "sync.wire_dtype": "bf16",
     "sync.full_interval": "5", "sync.check_interval": "0", "sync.bucket_bytes": "1024",
     "sync.transport": "collective",
 }

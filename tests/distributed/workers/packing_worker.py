@@ -274,7 +274,7 @@ def compare_logprobs(job, cfg, groups) -> dict[str, float]:
             cfg, rl=two,
             train=dataclasses.replace(cfg.train, packing=dataclasses.replace(
                 cfg.train.packing, enabled=packed)))
-        batches = update_batches(variant, scored, pad_id=job.encoder.eos_id, groups=groups,
+        batches = update_batches(variant, scored, pad_id=job.encoder.pad_id, groups=groups,
                                  policy=job.setup.model_chunks, reference=job.reference,
                                  vocab_size=job.vocab_size)
         fields = ["old_logprobs"] + (["reference_logprobs"] if job.reference is not None else [])
