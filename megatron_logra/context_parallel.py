@@ -11,6 +11,12 @@ that a rank's tokens, labels and positions stay aligned.
 A *rank-major* tensor is the concatenation of every rank's local sequence in rank order (what an
 all-gather returns); :func:`to_global_order` and :func:`to_rank_major_order` convert between it
 and the sequence order. Pure torch; collectives take an explicit group.
+
+A packed microbatch (one ``[1, T]`` row of several sequences, its ``layout`` a
+:class:`megatron_logra.packing.RowLayout`) is split per sequence: every sequence of the row in
+``2 * cp`` chunks of its span, a rank's local row its two chunks of each sequence in turn
+(Megatron's ``thd`` layout under CP); :func:`split_batch` does that from the layout, and
+:func:`gather_packed_row` is the inverse gather.
 """
 
 from __future__ import annotations
@@ -92,14 +98,52 @@ def gather_sequence(local: torch.Tensor, group: dist.ProcessGroup, cp_size: int,
     return to_global_order(torch.cat(parts, dim=dim), cp_size, dim=dim)
 
 
+def gather_packed_row(local: torch.Tensor, layout: Any, group: dist.ProcessGroup,
+                      dim: int = 1) -> torch.Tensor:
+    """The whole packed row on every CP rank from each rank's local row (no autograd);
+    ``layout``: the row's ``RowLayout`` (its ``cp_size``)."""
+    if layout.cp_size == 1:
+        return local
+    parts = [torch.empty_like(local) for _ in range(layout.cp_size)]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    order = torch.argsort(layout.rank_major_positions()).to(local.device)
+    return torch.cat(parts, dim=dim).index_select(dim, order)
+
+
 def split_batch(batch: Batch, cp_rank: int, cp_size: int) -> Batch:
     """A dataclass microbatch with every per-token tensor field (``[b, s, ...]``: two or more
-    dimensions) cut to this rank's positions; per-sequence fields (``[b]``) and None stay."""
+    dimensions) cut to this rank's positions; per-sequence fields (``[b]``) and None stay.
+
+    A packed microbatch (a ``layout`` field that is not None) is split sequence by sequence:
+    its row fields by the layout's row positions, the fields its class names in
+    ``per_sequence_fields`` (``[N, L]`` per sequence) to the same tokens of each sequence,
+    ``gather`` (a gather index) recomputed for the local row, ``layout`` set to this rank's."""
     if cp_size == 1:
         return batch
+    layout = getattr(batch, "layout", None)
+    if layout is not None:
+        return _split_packed(batch, layout.on_cp_rank(cp_rank, cp_size))
     changes: dict[str, Any] = {}
     for item in dataclasses.fields(batch):
         value = getattr(batch, item.name)
         if isinstance(value, torch.Tensor) and value.dim() >= 2:
             changes[item.name] = split_sequence(value, cp_rank, cp_size, dim=1)
+    return dataclasses.replace(batch, **changes)
+
+
+def _split_packed(batch: Batch, layout: Any) -> Batch:
+    per_sequence = getattr(batch, "per_sequence_fields", ())
+    changes: dict[str, Any] = {"layout": layout}
+    for item in dataclasses.fields(batch):
+        value = getattr(batch, item.name)
+        if item.name == "gather" and value is not None:
+            changes[item.name] = tuple(t.to(value[0].device) for t in layout.gather_index())
+        elif not (isinstance(value, torch.Tensor) and value.dim() >= 2):
+            continue
+        elif item.name in per_sequence:
+            # Outside the sequence's length nothing counts (False / 0 past it, as unpacked).
+            changes[item.name] = layout.split_per_sequence(value, fill=False if value.dtype
+                                                           == torch.bool else 0)
+        else:
+            changes[item.name] = layout.split_row(value, dim=1)
     return dataclasses.replace(batch, **changes)

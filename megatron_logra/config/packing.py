@@ -26,12 +26,14 @@ class PackingConfig:
     enabled: bool | None = None
     """None (default): on for ``rl`` and for prompt data (``data.format=prompts``: ``sft``,
     ``train``), where sequences are ragged; off for the corpus, whose windows are all
-    ``model.seq_length`` tokens. Resolved once (Config.resolved)."""
+    ``model.seq_length`` tokens; off with ``model.attention=te`` under context parallelism
+    (untested there). Resolved once (Config.resolved)."""
     max_tokens_per_microbatch: int | None = None
     """Tokens of one packed row, padding included (None: ``train.micro_batch_size x
     model.seq_length``, the tokens of one unpacked microbatch, so activation memory stays what
-    it was). A multiple of ``parallel.tp`` under sequence parallelism. A sequence longer than
-    this is refused."""
+    it was). A multiple of ``parallel.tp`` under sequence parallelism, of ``2 x parallel.cp``
+    (x tp under SP) under context parallelism, which pads every sequence of a row to that
+    multiple. A sequence longer than this is refused."""
     algorithm: str = "lpt"
     """One of PACKING_ALGORITHMS."""
 
@@ -43,20 +45,23 @@ class PackingConfig:
 
 def resolve_packing(packing: PackingConfig, *, data_format: str, command: str,
                     micro_batch_size: int, seq_length: int, row_multiple: int,
-                    provided: frozenset[str], cp: int = 1) -> PackingConfig:
+                    provided: frozenset[str], cp: int = 1,
+                    attention: str = "sdpa") -> PackingConfig:
     """``packing`` with ``enabled`` and ``max_tokens_per_microbatch`` filled in for a run of
-    ``command`` (``row_multiple``: the TP size under sequence parallelism, else 1); refuses
-    packing a corpus, packing under context parallelism (``cp`` > 1: a packed row's sequences
-    are not split into CP chunks; the default turns packing off there) and a budget the layout
-    cannot split."""
+    ``command`` (``row_multiple``: what a row's length must be a multiple of -- the TP size
+    under sequence parallelism, ``2 * cp`` (x TP under SP) under context parallelism); refuses
+    packing a corpus, packing under context parallelism with Transformer Engine's attention
+    (its ``thd`` CP path is not tested here; the default turns packing off there) and a budget
+    the layout cannot split."""
     path = "train.packing"
     ragged = command == "rl" or data_format == "prompts"
-    enabled = ragged and cp == 1 if packing.enabled is None else packing.enabled
-    if enabled and cp > 1:
+    te_cp = cp > 1 and attention == "te"
+    enabled = ragged and not te_cp if packing.enabled is None else packing.enabled
+    if enabled and te_cp:
         raise ValueError(
-            f"{path}.enabled=true with parallel.cp={cp}: packed rows are not split over context "
-            f"parallelism; drop {path}.enabled (it is off by default under CP) or set "
-            "parallel.cp=1"
+            f"{path}.enabled=true with parallel.cp={cp} and model.attention=te: packed rows "
+            f"under context parallelism are built and tested on model.attention=sdpa only; use "
+            f"model.attention=sdpa or drop {path}.enabled (it is off by default there)"
         )
     if enabled and not ragged:
         raise ValueError(
@@ -69,17 +74,20 @@ def resolve_packing(packing: PackingConfig, *, data_format: str, command: str,
         budget = micro_batch_size * seq_length
     elif packing.enabled is False and f"{path}.max_tokens_per_microbatch" in provided:
         # (A budget beside packing left to its default is a preset's for the commands that
-        # pack: it stays inert for the corpus and under context parallelism.)
+        # pack: it stays inert for the corpus and with te under context parallelism.)
         raise ValueError(
             f"{path}.max_tokens_per_microbatch={budget} with {path}.enabled=false: the "
             f"unpacked path pads every sequence to model.seq_length and batches "
             f"train.micro_batch_size of them; drop one of the two"
         )
     if enabled and budget % row_multiple:
+        why = (f"{row_multiple} (2 x parallel.cp={cp}, x parallel.tp under sequence "
+               "parallelism: every sequence of a row is split into 2 * cp equal chunks)"
+               if cp > 1 else f"parallel.tp={row_multiple} under sequence parallelism (each "
+               "row is split over the TP ranks)")
         raise ValueError(
-            f"{path}.max_tokens_per_microbatch={budget} must be a multiple of parallel.tp="
-            f"{row_multiple} under sequence parallelism (each row is split over the TP ranks); "
-            f"use {-(-budget // row_multiple) * row_multiple}"
+            f"{path}.max_tokens_per_microbatch={budget} must be a multiple of {why}; use "
+            f"{-(-budget // row_multiple) * row_multiple}"
         )
     return PackingConfig(enabled=enabled, max_tokens_per_microbatch=budget,
                          algorithm=packing.algorithm)

@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_logra.config.context_parallel import check_cp_run
+from megatron_logra.config.context_parallel import check_cp_run, cp_sequence_multiple
 from megatron_logra.config.data import DataConfig
 from megatron_logra.config.model import ModelConfig, ParallelConfig
 from megatron_logra.config.moe import check_moe_run
@@ -265,8 +265,10 @@ class Config:
         packing = resolve_packing(t.packing, data_format=cfg.data.format, command=command,
                                   micro_batch_size=t.micro_batch_size,
                                   seq_length=cfg.model.seq_length,
-                                  row_multiple=p.tp if p.sp else 1, provided=self.provided,
-                                  cp=p.cp)
+                                  row_multiple=(cp_sequence_multiple(p) if p.cp > 1
+                                                else p.tp if p.sp else 1),
+                                  provided=self.provided, cp=p.cp,
+                                  attention=cfg.model.attention)
         resolved = dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=dp),
                                        train=dataclasses.replace(t, packing=packing),
                                        checkpoint=cfg.checkpoint.in_run(cfg.run.dir))

@@ -38,7 +38,8 @@ def labelled_lengths(loss_mask: torch.Tensor) -> list[int]:
 
 def packed_step(
     schedule: BatchSchedule, step: int, *, max_tokens: int, algorithm: str, dp_rank: int,
-    dp_size: int, row_multiple: int = 1, microbatch_multiple: int = 1, uniform_rows: bool = False,
+    dp_size: int, sequence_multiple: int = 1, row_multiple: int = 1,
+    microbatch_multiple: int = 1, uniform_rows: bool = False,
     device: torch.device | str = "cpu",
 ) -> PackedStep:
     """Step ``step``'s global batch packed into rows of at most ``max_tokens``; this rank's."""
@@ -46,7 +47,8 @@ def packed_step(
     window, mask = schedule.windows(np.asarray(indices))
     lengths = labelled_lengths(mask)
     plan = plan_packs(lengths, max_tokens=max_tokens, dp_size=dp_size, algorithm=algorithm,
-                      row_multiple=row_multiple, microbatch_multiple=microbatch_multiple,
+                      sequence_multiple=sequence_multiple, row_multiple=row_multiple,
+                      microbatch_multiple=microbatch_multiple,
                       uniform_rows=uniform_rows)
     microbatches = [_row(pack.indices, lengths, window, mask, RowLayout.of(pack), device)
                     for pack in plan.ranks[dp_rank]]

@@ -259,6 +259,18 @@ def _pack(content: list[int], lengths: Sequence[int], spans: Sequence[int], row:
 
 
 def row_multiple(tp: int, sequence_parallel: bool) -> int:
-    """What a row's length must be a multiple of: sequence parallelism splits it over TP."""
+    """What a row's length must be a multiple of without context parallelism: sequence
+    parallelism splits it over TP."""
     return tp if sequence_parallel else 1
+
+
+def layout_multiples(tp: int, sequence_parallel: bool, cp: int = 1) -> tuple[int, int]:
+    """``(sequence_multiple, row_multiple)`` of a parallel layout. Under context parallelism
+    every sequence of a row is split into ``2 * cp`` chunks (each a multiple of TP under
+    sequence parallelism, which splits a rank's local row again), and the row's tail padding
+    belongs to its last sequence, so the row takes the same multiple."""
+    if cp > 1:
+        multiple = 2 * cp * row_multiple(tp, sequence_parallel)
+        return multiple, multiple
+    return 1, row_multiple(tp, sequence_parallel)
 

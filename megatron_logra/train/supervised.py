@@ -33,7 +33,7 @@ from megatron_logra.mcore import (
     setup_training,
     train_step,
 )
-from megatron_logra.packing.plan import row_multiple
+from megatron_logra.packing.plan import layout_multiples
 from megatron_logra.probe_batch import supervised_probe_batch
 from megatron_logra.train.loop import run
 from megatron_logra.train.metrics import memory_bytes
@@ -153,10 +153,12 @@ class SupervisedJob:
         cfg, groups = self.cfg, self.groups
         packing = cfg.train.packing
         if packing.enabled:
+            sequence_multiple, row_multiple = layout_multiples(
+                cfg.parallel.tp, cfg.parallel.sp, cfg.parallel.cp)
             packed = packed_step(
                 self.schedule, step, max_tokens=packing.max_tokens_per_microbatch,
                 algorithm=packing.algorithm, dp_rank=groups.data_rank, dp_size=groups.data_size,
-                row_multiple=row_multiple(cfg.parallel.tp, cfg.parallel.sp),
+                sequence_multiple=sequence_multiple, row_multiple=row_multiple,
                 microbatch_multiple=groups.pp_size if groups.vpp_size > 1 else 1,
                 uniform_rows=groups.pp_size > 1, device=groups.device,
             )

@@ -156,3 +156,85 @@ def test_a_budget_with_packing_turned_off_is_refused_and_a_presets_budget_is_kep
 def test_an_unknown_algorithm_is_refused():
     with pytest.raises(ValueError, match=r"train\.packing\.algorithm='ffd' is not valid"):
         _resolved("sft", "train.packing.algorithm=ffd")
+
+
+# ----------------------------------------------------------------------------- context parallel
+
+def _cp_layout() -> RowLayout:
+    # Spans padded to a multiple of 2 * cp = 4; the last takes the row's tail padding too.
+    return RowLayout(lengths=(5, 2, 7), spans=(8, 4, 12), row_length=24)
+
+
+def test_under_cp_each_rank_holds_chunks_r_and_2cp_minus_1_minus_r_of_every_sequence():
+    layout = _cp_layout()
+    # Sequence spans [0, 8), [8, 12), [12, 24): chunks of 2, 1 and 3 tokens.
+    assert layout.on_cp_rank(0, 2).held_positions().tolist() == [0, 1, 6, 7, 8, 11,
+                                                                 12, 13, 14, 21, 22, 23]
+    assert layout.on_cp_rank(1, 2).held_positions().tolist() == [2, 3, 4, 5, 9, 10,
+                                                                 15, 16, 17, 18, 19, 20]
+    row = torch.arange(24)[None]
+    parts = [layout.on_cp_rank(r, 2).split_row(row) for r in range(2)]
+    # The rank-major concatenation (an all-gather) puts every position back exactly once.
+    order = torch.argsort(layout.on_cp_rank(0, 2).rank_major_positions())
+    assert torch.cat(parts, dim=1)[:, order].tolist() == row.tolist()
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+def test_under_cp_the_local_gather_index_and_the_per_sequence_split_agree_with_the_whole_row(cp):
+    """What every rank's loss sees (its local row's values unpacked, beside its share of the
+    per-sequence tensors) is, over the ranks, exactly the unsplit row's per-sequence values."""
+    spans = (2 * cp * 2, 2 * cp, 2 * cp * 3)
+    layout = RowLayout(lengths=(2 * cp * 2 - 1, 1, 2 * cp * 2 + 1), spans=spans,
+                       row_length=sum(spans))
+    values = [torch.randn(n) for n in layout.lengths]
+    row = pack_row(values, layout, 0.0)
+    whole = unpack_row(row, layout, fill=0.0)  # [N, L]
+    seen = torch.zeros_like(whole)
+    for rank in range(cp):
+        mine = layout.on_cp_rank(rank, cp)
+        local = unpack_row(mine.split_row(row), mine, fill=0.0)
+        share = mine.split_per_sequence(whole, fill=0.0)
+        valid = mine.gather_index()[1]
+        assert local.tolist() == share.tolist()
+        # The valid entries are each sequence's real tokens this rank holds: scatter them back.
+        positions, held = mine._sequence_positions()
+        for i in range(len(spans)):
+            seen[i, positions[i][valid[i]]] += share[i][valid[i]]
+        assert (share[~valid] == 0).all()
+    assert torch.equal(seen, whole)
+
+
+def test_under_cp_a_span_that_cannot_split_into_2cp_chunks_is_refused():
+    with pytest.raises(ValueError, match=r"spans \(6, 4\) cannot each be split into 2 \* cp = 4"):
+        RowLayout(lengths=(5, 2), spans=(6, 4), row_length=10).on_cp_rank(0, 2)
+
+
+@pytest.mark.parametrize(("tp", "sp", "cp", "want"),
+                         [(2, True, 1, (1, 2)), (2, False, 2, (4, 4)), (2, True, 2, (8, 8))])
+def test_the_plan_pads_every_sequence_to_2cp_tp_under_context_parallelism(tp, sp, cp, want):
+    from megatron_logra.packing.plan import layout_multiples
+    assert layout_multiples(tp, sp, cp) == want
+    sequence_multiple, row_multiple = want
+    plan = plan_packs(RL_MIX[:64], max_tokens=8192, dp_size=2, sequence_multiple=sequence_multiple,
+                      row_multiple=row_multiple)
+    for pack in _all_packs(plan):
+        assert all(span % sequence_multiple == 0 for span in pack.spans)
+        RowLayout.of(pack).on_cp_rank(0, cp)  # every span splits into 2 * cp chunks
+
+
+def test_packing_stays_on_by_default_under_cp_and_its_budget_takes_the_cp_multiple():
+    cp = _resolved("rl", "parallel.cp=2", "model.seq_length=64", "train.micro_batch_size=4",
+                   world=2)
+    assert cp.train.packing.enabled
+    with pytest.raises(ValueError, match=r"max_tokens_per_microbatch=102 must be a multiple of "
+                       r"4 \(2 x parallel\.cp=2.*use 104"):
+        _resolved("rl", "parallel.cp=2", "model.seq_length=64",
+                  "train.packing.max_tokens_per_microbatch=102", world=2)
+
+
+def test_packing_under_cp_with_te_attention_is_off_by_default_and_refused_when_asked():
+    te = ["parallel.cp=2", "model.attention=te", "model.seq_length=64"]
+    assert not _resolved("rl", *te, world=2).train.packing.enabled
+    with pytest.raises(ValueError, match=r"train\.packing\.enabled=true with parallel\.cp=2 and "
+                       r"model\.attention=te.*model\.attention=sdpa"):
+        _resolved("rl", *te, "train.packing.enabled=true", world=2)

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-from megatron_logra.context_parallel import gather_sequence, split_batch
+from megatron_logra.context_parallel import gather_packed_row, gather_sequence, split_batch
 from megatron_logra.mcore.models.packed_attention import packed_seq_params
 from megatron_logra.mcore.models.sharding import unwrap_model
 from megatron_logra.mcore.process_groups import ParallelGroups
@@ -99,6 +99,8 @@ class _Microbatch:
     labels: torch.Tensor
     position_ids: torch.Tensor
     packed_seq_params: PackedSeqParams | None = None
+    layout: Any = None
+    """A packed row's RowLayout (this CP rank's share of it under context parallelism)."""
 
 
 def _forward_step(
@@ -226,7 +228,9 @@ def compute_packed_token_logprobs(
     ``rows``: this rank's packed microbatches, each with ``tokens``, ``labels``,
     ``position_ids`` (``[1, T]``) and ``layout`` (a ``megatron_logra.packing.RowLayout``);
     under pipeline parallelism every row has the same T (Megatron's schedule passes one
-    activation shape). Otherwise as :func:`compute_token_logprobs`.
+    activation shape). Under context parallelism each CP rank runs its two chunks of every
+    sequence of a row and the rows are gathered back into row order. Otherwise as
+    :func:`compute_token_logprobs`.
     """
     _check_temperature(temperature)
     if not rows:
@@ -241,9 +245,10 @@ def compute_packed_token_logprobs(
                          f"size {groups.tp_size} under sequence parallelism")
     device = groups.device
     microbatches = [
-        _Microbatch(tokens=row.tokens.to(device), labels=row.labels.to(device),
-                    position_ids=row.position_ids.to(device),
-                    packed_seq_params=packed_seq_params(row.layout, device))
+        split_batch(_Microbatch(tokens=row.tokens.to(device), labels=row.labels.to(device),
+                                position_ids=row.position_ids.to(device),
+                                packed_seq_params=packed_seq_params(row.layout, device),
+                                layout=row.layout), groups.cp_rank, groups.cp_size)
         for row in rows
     ]
     return _forward_only(model_chunks, microbatches, temperature=temperature,
@@ -280,13 +285,21 @@ def _forward_only(
         raise RuntimeError(
             f"the schedule returned {len(collected)} results for {num_microbatches} microbatches"
         )
+
+    def gathered(values: torch.Tensor, batch: _Microbatch) -> torch.Tensor:
+        # This CP rank's positions -> the whole sequences (or packed row), in order.
+        values = values.float().contiguous()
+        if batch.layout is not None:
+            return gather_packed_row(values, batch.layout, groups.cp)
+        return gather_sequence(values, groups.cp, groups.cp_size)
+
     if groups.pp_size == 1:
-        return [gather_sequence(batch.float().contiguous(), groups.cp, groups.cp_size)
-                for batch in collected]
+        return [gathered(values, batch)
+                for values, batch in zip(collected, microbatches, strict=True)]
     size = sum(batch.tokens.shape[0] for batch in microbatches)
     if last_stage:
-        result = gather_sequence(torch.cat(list(collected), dim=0).float().contiguous(),
-                                 groups.cp, groups.cp_size)
+        result = torch.cat([gathered(values, batch)
+                            for values, batch in zip(collected, microbatches, strict=True)])
     else:
         result = torch.empty(size, length, dtype=torch.float32, device=device)
     last = dist.get_process_group_ranks(groups.pp)[-1]

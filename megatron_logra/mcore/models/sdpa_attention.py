@@ -28,8 +28,9 @@ within its rank's own tokens (``mcore/models/context_parallel.py``: the sampler'
 sequences).
 
 Packed sequences (Megatron's ``thd`` ``PackedSeqParams``) are attended one causal block per
-sequence (:mod:`megatron_logra.mcore.models.packed_attention`); packing runs without context
-parallelism.
+sequence (:mod:`megatron_logra.mcore.models.packed_attention`); under context parallelism each
+sequence of the row is split into ``2 cp`` chunks and its keys and values gathered over the CP
+group (:mod:`megatron_logra.mcore.models.packed_cp_attention`).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_logra.mcore.models.cp_attention import context_parallel_attention
 from megatron_logra.mcore.models.packed_attention import packed_sdpa
+from megatron_logra.mcore.models.packed_cp_attention import packed_context_parallel_attention
 from megatron_logra.mcore.models.sdpa_forward_ad import attention
 
 
@@ -109,8 +111,9 @@ class SDPAttention(MegatronModule):
                 raise ValueError("packed sequences take no attention mask: each sequence "
                                  "attends causally to itself")
             if self.cp_group is not None:
-                raise ValueError("packed sequences are not split over context parallelism; the "
-                                 "config turns train.packing off when parallel.cp > 1")
+                return packed_context_parallel_attention(
+                    query, key, value, packed_seq_params, group=self.cp_group,
+                    scale=self.softmax_scale)
             # thd: [T, heads, d], one causal block per sequence (packed_attention.py).
             return packed_sdpa(query, key, value, packed_seq_params, self.softmax_scale)
         s_q, batch, heads, head_dim = query.shape

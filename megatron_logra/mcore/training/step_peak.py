@@ -28,7 +28,7 @@ from megatron_logra.mcore.training.setup import TrainingSetup, setup_training
 from megatron_logra.mcore.training.step import train_step
 from megatron_logra.memory.live_tensors import LiveTensorTracker
 from megatron_logra.packing import RowLayout, pack_row, plan_packs
-from megatron_logra.packing.plan import row_multiple
+from megatron_logra.packing.plan import layout_multiples
 from megatron_logra.probe_batch import supervised_probe_batch
 
 PERSISTENT = "persistent"
@@ -85,9 +85,11 @@ def packed_rows(cfg: Config, microbatches: list[Microbatch]) -> list[Microbatch]
     p = cfg.parallel
     tokens = [row for batch in microbatches for row in batch.tokens]
     labels = [row for batch in microbatches for row in batch.labels]
+    sequence_multiple, row_multiple = layout_multiples(p.tp, p.sp, p.cp)
     plan = plan_packs([len(row) for row in tokens],
                       max_tokens=cfg.train.packing.max_tokens_per_microbatch, dp_size=1,
-                      algorithm=cfg.train.packing.algorithm, row_multiple=row_multiple(p.tp, p.sp),
+                      algorithm=cfg.train.packing.algorithm, sequence_multiple=sequence_multiple,
+                      row_multiple=row_multiple,
                       uniform_rows=p.pp > 1)
     device = microbatches[0].tokens.device
     rows = []

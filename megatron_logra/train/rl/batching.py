@@ -9,6 +9,7 @@ loss needs (rollout log-probs, advantages, response mask, completion flags).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -38,6 +39,11 @@ class RLMicrobatch:
     sequence (``[N, L]``, ``[N]``), as in an unpacked microbatch. None: unpacked."""
     gather: tuple[torch.Tensor, torch.Tensor] | None = None
     """The layout's gather index (RowLayout.gather_index) on the device."""
+
+    per_sequence_fields: ClassVar[tuple[str, ...]] = (
+        "response_mask", "rollout_logprobs", "reference_logprobs", "old_logprobs")
+    """The ``[N, L]`` per-sequence fields of a packed microbatch (context_parallel.split_batch
+    splits them per sequence, the row fields along the row)."""
 
 
 def pad_to_length(rollout: RolloutBatch, length: int, pad_id: int) -> PaddedRollout:

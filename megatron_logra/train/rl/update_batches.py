@@ -33,7 +33,7 @@ from megatron_logra.mcore import (
     compute_token_logprobs,
 )
 from megatron_logra.packing import Pack, PackPlan, RowLayout, pack_row, plan_packs, unpack_row
-from megatron_logra.packing.plan import row_multiple
+from megatron_logra.packing.plan import layout_multiples
 from megatron_logra.rl.rollout import PaddedRollout, RolloutBatch
 from megatron_logra.train.rl.batching import RLMicrobatch, pad_to_length, rl_microbatches
 from megatron_logra.train.rl.collectives import gather_dp
@@ -152,8 +152,10 @@ def _packed(cfg: Config, scored: ScoredRollouts, *, pad_id: int, groups: Paralle
 def gather_step_rollouts(scored: ScoredRollouts, groups: ParallelGroups
                          ) -> tuple[RolloutBatch, torch.Tensor]:
     """The whole step's rollouts and advantages on every rank, in global order (each DP rank
-    generated its own contiguous share)."""
-    parts = gather_dp([(scored.rollout, scored.advantages)], groups)
+    generated its own contiguous share; the CP ranks of a replica hold the same share, so one
+    copy of each is kept)."""
+    parts = [(rollout, values) for cp_rank, rollout, values in gather_dp(
+        [(groups.cp_rank, scored.rollout, scored.advantages)], groups) if cp_rank == 0]
     rollout = RolloutBatch.merged([part for part, _ in parts])
     advantages = torch.cat([values for _, values in parts])
     if rollout.sequence_indices != tuple(range(len(advantages))):
@@ -167,9 +169,10 @@ def gather_step_rollouts(scored: ScoredRollouts, groups: ParallelGroups
 def step_plan(cfg: Config, lengths: Sequence[int], groups: ParallelGroups) -> PackPlan:
     """The packs of a step's sequences of ``lengths`` tokens, for this run's layout."""
     packing, p = cfg.train.packing, cfg.parallel
+    sequence_multiple, row_multiple = layout_multiples(p.tp, p.sp, p.cp)
     return plan_packs(lengths, max_tokens=packing.max_tokens_per_microbatch,
                       dp_size=groups.data_size, algorithm=packing.algorithm,
-                      row_multiple=row_multiple(p.tp, p.sp),
+                      sequence_multiple=sequence_multiple, row_multiple=row_multiple,
                       microbatch_multiple=groups.pp_size if groups.vpp_size > 1 else 1,
                       uniform_rows=groups.pp_size > 1)
 

@@ -20,8 +20,14 @@ same model: their largest relative difference over every response token of the s
 ``--grpo`` also the GRPO preset with a reference KL and two updates per rollout batch (fixed
 advantages: a random model's rewards all tie, which would leave GRPO nothing to learn); with
 ``--bf16`` also the paper preset in bf16 (masters sharded over DP). Full weights are compared
-after the first and the last step. With ``--sft``, ``sft`` on prompt data (the supervised trainer,
-LoGRA under the KL step control) packed and padded at those layouts: step records and weights.
+after the first and the last step. With ``--library`` also LoGRA's library mode (under the KL
+step control too). With ``--sft``, ``sft`` on prompt data (the supervised trainer, LoGRA under
+the KL step control) packed and padded at those layouts: step records and weights.
+
+Context parallelism (a layout with ``cp`` in its name): each such layout's packed run is also
+compared with the packed and the padded run of the job's first layout without CP, on the same
+rollouts (the built-in sampler's, which any layout generates alike): the step records' largest
+relative differences and the full weights after the last step (``cp_vs_cp1``).
 """
 
 from __future__ import annotations
@@ -223,9 +229,11 @@ def measure_single(args, cfg, groups):
 
 # ----------------------------------------------------------------------------- RL jobs
 
-def rl_overrides(args, layout: str, *, packed: bool, grpo: bool) -> list[str]:
+def rl_overrides(args, layout: str, *, packed: bool, grpo: bool, library: bool = False
+                 ) -> list[str]:
     _, parallel = LAYOUTS[layout]
-    tag = f"{layout}_{'grpo' if grpo else 'paper'}_{'packed' if packed else 'padded'}"
+    preset = "grpo" if grpo else "library" if library else "paper"
+    tag = f"{layout}_{preset}_{'packed' if packed else 'padded'}"
     out = [
         *parallel, *tiny_gpt(), "train.micro_batch_size=4", "rl.prompts_per_step=8",
         "rl.samples_per_prompt=2", "rl.sampling.max_new_tokens=5",
@@ -243,11 +251,15 @@ def rl_overrides(args, layout: str, *, packed: bool, grpo: bool) -> list[str]:
         out.append(f"train.packing.max_tokens_per_microbatch={RL_BUDGET}")
     if grpo:
         out += ["rl.loss.name=grpo", "rl.loss.grpo.kl_beta=0.05", "rl.updates_per_rollout=2"]
+    if library:
+        out += ["logra.mode=library", "optimizer.lr=3e-3"]
     return out
 
 
-def rl_cfg_for(args, world: int, layout: str, *, packed: bool, grpo: bool):
-    return load_config(RL_CONFIG, rl_overrides(args, layout, packed=packed, grpo=grpo),
+def rl_cfg_for(args, world: int, layout: str, *, packed: bool, grpo: bool,
+               library: bool = False):
+    return load_config(RL_CONFIG, rl_overrides(args, layout, packed=packed, grpo=grpo,
+                                               library=library),
                        command="rl").resolved(world, "rl")
 
 
@@ -310,11 +322,12 @@ def _weight_errors(got: dict, want: dict) -> dict[str, float]:
     }
 
 
-def run_rl(args, world, layout, groups, *, grpo: bool, bf16: bool = False) -> dict:
+def run_rl(args, world, layout, groups, *, grpo: bool, bf16: bool = False,
+           library: bool = False) -> dict:
     out = {}
     weights: dict[bool, list[dict]] = {}
     for packed in (True, False):
-        cfg = rl_cfg_for(args, world, layout, packed=packed, grpo=grpo)
+        cfg = rl_cfg_for(args, world, layout, packed=packed, grpo=grpo, library=library)
         if bf16:
             cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model,
                                                                      params_dtype="bf16"),
@@ -339,6 +352,22 @@ def run_rl(args, world, layout, groups, *, grpo: bool, bf16: bool = False) -> di
     out["weights_first_step"] = _weight_errors(weights[True][0], weights[False][0])
     out["weights_last_step"] = _weight_errors(weights[True][-1], weights[False][-1])
     out["padded_weights"] = weights[False][-1]
+    out["packed_weights"] = weights[True][-1]
+    return out
+
+
+STEP_KEYS = ("loss", "alpha", "kl_predicted", "kl_realized")
+
+
+def _cp_vs_cp1(run: dict, reference: dict) -> dict:
+    """A CP layout's packed run against a CP=1 layout's packed and padded runs."""
+    out = {}
+    for batching in ("packed", "padded"):
+        steps = {key: max(abs(got[key] - want[key]) / abs(want[key]) for got, want in zip(
+            run["packed"], reference[batching], strict=True)) for key in STEP_KEYS}
+        out[f"vs_{batching}"] = {
+            **{f"{key}_rel_err": value for key, value in steps.items()},
+            **_weight_errors(run["packed_weights"], reference[f"{batching}_weights"])}
     return out
 
 
@@ -376,16 +405,30 @@ def measure_rl(args, cfg, groups):
     world = groups.world_size
     report = {}
     padded = {}
+    kept: dict[tuple[str, str], dict] = {}  # (layout, preset): the run with its weights
     for layout in filter(None, args.layouts.split(",")):
         groups = switch_layout(rl_cfg_for(args, world, layout, packed=True, grpo=False))
         report[layout] = {"paper": run_rl(args, world, layout, groups, grpo=False)}
-        padded[layout] = report[layout]["paper"].pop("padded_weights")
         if layout in args.grpo.split(","):
             report[layout]["grpo"] = run_rl(args, world, layout, groups, grpo=True)
-            report[layout]["grpo"].pop("padded_weights")
         if layout in args.bf16.split(","):
             report[layout]["bf16"] = run_rl(args, world, layout, groups, grpo=False, bf16=True)
-            report[layout]["bf16"].pop("padded_weights")
+        if layout in args.library.split(","):
+            report[layout]["library"] = run_rl(args, world, layout, groups, grpo=False,
+                                               library=True)
+        padded[layout] = report[layout]["paper"]["padded_weights"]
+        for preset, run in report[layout].items():
+            kept[layout, preset] = dict(run)
+            run.pop("padded_weights")
+            run.pop("packed_weights")
+    cp1 = next((layout for layout in padded if "cp" not in layout), None)
+    cp_vs_cp1 = {}
+    for layout in padded:
+        if "cp" in layout and cp1 is not None:
+            for preset in report[layout]:
+                if (cp1, preset) in kept:
+                    cp_vs_cp1[f"{layout}_vs_{cp1}:{preset}"] = _cp_vs_cp1(
+                        kept[layout, preset], kept[cp1, preset])
     for layout in filter(None, args.sft.split(",")):
         groups = switch_layout(sft_cfg_for(args, world, layout, packed=True))
         report.setdefault(layout, {})["sft"] = run_sft(args, world, layout, groups)
@@ -394,6 +437,7 @@ def measure_rl(args, cfg, groups):
     report["padded_layout_changes"] = {
         f"{a}_vs_{b}": _weight_errors(padded[a], padded[b])
         for a, b in zip(layouts, layouts[1:], strict=False)}
+    report["cp_vs_cp1"] = cp_vs_cp1
     return report
 
 
@@ -402,6 +446,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--layouts", default="tp1")
     parser.add_argument("--grpo", default="", help="layouts that also run the GRPO preset")
     parser.add_argument("--bf16", default="", help="layouts that also run in bf16")
+    parser.add_argument("--library", default="",
+                        help="layouts that also run LoGRA's library mode")
     parser.add_argument("--sft", default="", help="layouts that run sft packed and padded")
 
 
