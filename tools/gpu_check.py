@@ -27,6 +27,8 @@ Sections (one function each, returning its figures):
   all-gather attention on CUDA's kernels (bottom-right causal bias) under LoGRA's paper mode
   with KL control, fp32 and bf16 (losses, alpha, weights); and, with Transformer Engine, TE's
   own context parallelism (``parallel.cp_comm_type`` p2p and all_gather) against TE at CP=1;
+  and ``sft`` on prompt data packed (train.packing) at CP=2 against packed at CP=1, fp32 (the
+  packed rows' per-sequence chunk split and its attention on CUDA's kernels);
 * ``master_merge``: ``tools/bench_master_merge.py --device cuda``: one merge per master store,
   and whether the stores' masters agree bit for bit after 3 merges;
 * ``kl_probe``: ``tools/bench_kl_probe.py --device cuda`` (paper mode under KL control, a
@@ -112,11 +114,11 @@ MERGE_SHAPES = ((4096, 4096), (28672, 4096))  # a square projection; a 7B-sized 
 # Seconds each section may run (the sync sections have their own, 440 s together:
 # tools/gpu_check_sync.py). A device command may run 10 minutes, so docs/gpu_check.md splits
 # the sections into commands whose budgets fit: tp_parity te_spec te_packed memory master_merge
-# (540 s); moe_grouped context_parallel kl_probe (410 s); sync_megatron vllm (440 s).
+# (540 s); moe_grouped context_parallel kl_probe (470 s); sync_megatron vllm (440 s).
 # memory gets most: bench_methods starts 4 processes, and the model's layout-invariant
 # initialisation draws every full weight from a CPU generator (1e9 normals per model).
 BUDGET_S = {"tp_parity": 130, "te_spec": 70, "te_packed": 70, "memory": 240,
-            "master_merge": 30, "moe_grouped": 60, "context_parallel": 200, "kl_probe": 150}
+            "master_merge": 30, "moe_grouped": 60, "context_parallel": 260, "kl_probe": 150}
 # CP=2 vs CP=1 changes the order of sums as TP=2 does -- each chunk's softmax over the gathered
 # keys, the keys' gradients reduce-scattered, the DP x CP reduction of sketches -- so the
 # tp_parity bounds apply; alpha is sqrt(budget / m) with m a float64 mean of squared tangents:
@@ -153,11 +155,12 @@ class Record:
         return text + (f": {self.reason}" if self.reason else "")
 
 
-def _cli_train(nproc: int, overrides: list[str], run_dir: Path, deadline: float) -> Path:
+def _cli_train(nproc: int, overrides: list[str], run_dir: Path, deadline: float, *,
+               command: str = "train", config: Path = TINY_CONFIG) -> Path:
     launcher = [sys.executable]
     if nproc > 1:
         launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    command = [*launcher, "-m", "megatron_logra", "train", str(TINY_CONFIG), *overrides,
+    command = [*launcher, "-m", "megatron_logra", command, str(config), *overrides,
                f"run.dir={run_dir}"]
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     run_logged(command, deadline, run_dir.parent / f"{run_dir.name}.log")
@@ -371,6 +374,19 @@ def context_parallel(out: Path) -> dict[str, Any]:
         for name, (value, tolerance) in checks.items():
             if not within(figures, name, value, tolerance):
                 bad.append(f"{name} {value:.2e} > {tolerance:.0e}")
+    # Packed rows split per sequence over CP (sft on prompt data: ragged sequences), fp32.
+    packed = {cp: _cli_train(cp, [*base, *paper, f"parallel.cp={cp}", "train.packing.enabled=true",
+                                  "model.params_dtype=fp32"],
+                             out / "context_parallel" / f"sdpa_packed_cp{cp}", deadline,
+                             command="sft", config=PROMPT_CONFIG)
+              for cp in (1, 2)}
+    for name, value, tolerance in (
+            ("sdpa_packed_loss_rel_diff", _loss_rel_diff(_losses(packed[2]), _losses(packed[1])),
+             FP32_TP_LOSS_RTOL),
+            ("sdpa_packed_weight_rel_diff", _weight_rel_diff(packed[2], packed[1]),
+             FP32_TP_WEIGHT_RTOL)):
+        if not within(figures, name, value, tolerance):
+            bad.append(f"{name} {value:.2e} > {tolerance:.0e}")
     if te_missing():
         figures["te"] = f"not run: {te_missing()}"
     else:

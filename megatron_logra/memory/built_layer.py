@@ -15,8 +15,8 @@ sequence shard, ``t`` = tp, ``e`` the activation element bytes, ``h``, ``F``, ``
 the fp32 log-sum-exp), the nearest measured kind.
 
 Context parallelism (``layout.cp > 1``; ``T`` is then a rank's share of the tokens): the
-attention (``mcore/models/cp_attention.py``) keeps the keys and values of the whole sequence,
-all-gathered, instead of its own rotated keys and the qkv output its values were views of; it
+attention (``mcore/models/cp_attention.py``; a packed row's: ``packed_cp_attention.py``) keeps
+the keys and values of the whole sequence (or packed row), all-gathered, instead of its own rotated keys and the qkv output its values were views of; it
 concatenates the outputs of its two chunks, so ``linear_proj``'s input is a copy of them; on the
 CPU it keeps its additive bottom-right masks between steps (:func:`cp_mask_bytes`).
 """
@@ -148,7 +148,7 @@ def freed_before_backward_peak(shape: ModelShape, layout: Layout, e: int, *,
         if e == FP32_BYTES:
             freed += e * layout.sharded_tokens * shape.hidden_size
         # The rotary table of one rank's positions: a sequence's CP share, or a packed row's
-        # longest sequence (packing runs without CP).
+        # longest sequence's.
         freed -= FP32_BYTES * (layout.span // layout.cp) * shape.head_dim
     return freed
 
@@ -220,10 +220,12 @@ def cp_mask_bytes(layout: Layout, e: int, seq_length: int | None = None) -> floa
     shape and kept between steps (CUDA's kernels need none): rank ``r`` masks its chunks
     ``c > 0``, ``[L, (c + 1) L]`` each (``L = s / 2 cp``); the largest rank's two chunks
     ``r, 2 cp - 1 - r`` with ``r > 0`` hold ``(2 cp + 1) L^2``. ``seq_length``: another
-    sequence length than the layout's (the KL probe's)."""
+    sequence length than the layout's (the KL probe's). A packed row's masks are its
+    sequences' (``L = span / 2 cp``, counted at the longest span: a row of shorter sequences
+    caches smaller ones, at most eight shapes)."""
     if layout.cp == 1 or not layout.cpu or layout.attention == "local":
         return 0.0
-    chunk = (seq_length or layout.seq_length) / (2 * layout.cp)
+    chunk = (seq_length or layout.span) / (2 * layout.cp)
     return e * (2 * layout.cp + 1) * chunk * chunk
 
 

@@ -4,9 +4,14 @@ rung 3: packed == padded).
 Three torchrun jobs of ``workers/packing_worker.py`` (its docstring says what each measures):
 one process (float64 sketches, pack neighbours, forward-mode AD, for ``sdpa`` and ``local``
 attention), two processes (RL runs packed and padded at TP=2 with SP, DP=2 -- also the GRPO
-preset with a reference model and two updates per rollout batch, and bf16 -- and PP=2) and four
-processes (TP=2 x DP=2 with SP); the two-process job also runs ``sft`` on prompt data packed and padded
-under the interleaved pipeline schedule (PP=2, VPP=2).
+preset with a reference model and two updates per rollout batch, and bf16 -- PP=2 and CP=2,
+the last also in LoGRA's library mode) and four processes (TP=2 x DP=2 with SP, and CP=2 x DP=2
+with the distributed optimizer); the two-process job also runs ``sft`` on prompt data packed and
+padded under the interleaved pipeline schedule (PP=2, VPP=2) and under CP=2.
+
+Context parallelism (issue [cp] item 3): a packed row's every sequence is split into ``2 cp``
+chunks; packed CP=2 is compared with padded CP=2 like every layout, and with the packed and the
+padded runs of a CP=1 layout of the same job (DP=2; TP=2 x DP=2 with SP) on the same rollouts.
 """
 
 from __future__ import annotations
@@ -19,7 +24,10 @@ import pytest
 from tests.layouts import (
     BF16_RESHARD_LOSS_REL_TOL,
     BF16_RESHARD_WEIGHT_NORM_REL_TOL,
+    KL_CONTROL_LAYOUT_ALPHA_REL_TOL,
+    KL_CONTROL_LAYOUT_KL_PREDICTED_REL_TOL,
     KL_CONTROL_LAYOUT_KL_REALISED_REL_TOL,
+    LOGRA_LAYOUT_LOSS_REL_TOL,
     LOGRA_LAYOUT_WEIGHT_REL_TOL,
 )
 from tests.torchrun import WORKERS, run_torchrun
@@ -51,8 +59,8 @@ def single(tmp_path_factory) -> dict:
 def two(tmp_path_factory, synthetic_data_dir) -> dict:
     out = Path(tmp_path_factory.mktemp("packing_two"))
     run_torchrun(2, [WORKER, "--case", "rl", "--out", str(out), "--data",
-                     str(synthetic_data_dir), "--layouts", "tp2_sp,dp2,pp2", "--grpo", "dp2",
-                     "--bf16", "dp2", "--sft", "pp2_vpp2"])
+                     str(synthetic_data_dir), "--layouts", "tp2_sp,dp2,pp2,cp2", "--grpo", "dp2",
+                     "--bf16", "dp2", "--library", "cp2", "--sft", "pp2_vpp2,cp2", "--cp1", "dp2"])
     return json.loads((out / "result.json").read_text())
 
 
@@ -60,7 +68,7 @@ def two(tmp_path_factory, synthetic_data_dir) -> dict:
 def four(tmp_path_factory, synthetic_data_dir) -> dict:
     out = Path(tmp_path_factory.mktemp("packing_four"))
     run_torchrun(4, [WORKER, "--case", "rl", "--out", str(out), "--data",
-                     str(synthetic_data_dir), "--layouts", "tp2_dp2_sp"])
+                     str(synthetic_data_dir), "--layouts", "tp2_dp2_sp,dp2_cp2_distopt"])
     return json.loads((out / "result.json").read_text())
 
 
@@ -89,7 +97,7 @@ def test_forward_mode_tangent_of_a_packed_row_equals_each_sequences_unpacked_jvp
 
 def _runs(report: dict):
     for layout, runs in report.items():
-        if layout == "padded_layout_changes":
+        if layout in ("padded_layout_changes", "cp_vs_cp1", "cp_fp64"):
             continue
         for preset, run in runs.items():
             yield f"{layout}:{preset}", run
@@ -102,8 +110,9 @@ def _fp32_rl_runs(two: dict, four: dict):
 
 def test_every_layout_and_preset_ran_packed_and_padded_with_the_step_fields(two, four):
     names = sorted(name for report in (two, four) for name, _ in _runs(report))
-    assert names == ["dp2:bf16", "dp2:grpo", "dp2:paper", "pp2:paper", "pp2_vpp2:sft",
-                     "tp2_dp2_sp:paper", "tp2_sp:paper"]
+    assert names == ["cp2:library", "cp2:paper", "cp2:sft", "dp2:bf16", "dp2:grpo", "dp2:paper",
+                     "dp2_cp2_distopt:paper", "pp2:paper", "pp2_vpp2:sft", "tp2_dp2_sp:paper",
+                     "tp2_sp:paper"]
     for _, run in _runs(two):
         for packed, padded in zip(run["packed"], run["padded"], strict=True):
             # Packing runs fewer tokens in more, smaller microbatches here (a 40-token budget
@@ -151,12 +160,43 @@ def test_bf16_packed_and_padded_agree_within_the_bf16_layout_bounds(two):
     assert run["weights_last_step"]["norm_rel_err"] <= BF16_RESHARD_WEIGHT_NORM_REL_TOL
 
 
-def test_sft_on_prompt_data_is_exact_packed_under_the_interleaved_schedule(two):
-    run = two["pp2_vpp2"]["sft"]
+@pytest.mark.parametrize("layout", ["pp2_vpp2", "cp2"])
+def test_sft_on_prompt_data_is_exact_packed_under_the_interleaved_schedule_and_cp(two, layout):
+    run = two[layout]["sft"]
     for step, (packed, padded) in enumerate(zip(run["packed"], run["padded"], strict=True)):
-        # The interleaved schedule needs a multiple of PP microbatches per rank.
-        assert packed["microbatches"] % 2 == 0, step
+        if layout == "pp2_vpp2":
+            # The interleaved schedule needs a multiple of PP microbatches per rank.
+            assert packed["microbatches"] % 2 == 0, step
         assert packed["padding_fraction"] < padded["padding_fraction"]
         for key in ("loss", "alpha", "kl_predicted"):
             assert _rel(packed[key], padded[key]) <= PACKED_REL_TOL, (step, key)
     assert run["weights_last_step"]["max_entry_rel_err"] <= LOGRA_LAYOUT_WEIGHT_REL_TOL
+
+
+def test_float64_packed_row_split_over_cp_equals_its_sequences_alone_without_cp(two, four):
+    """Logits, their forward-mode tangent and the LoGRA sketch (summed over the CP ranks) of a
+    packed row of five sequences split per sequence over CP=2 (and CP=2 x DP=2), against each
+    sequence alone on one rank: the order of float64 sums only (measured <= 5.1e-16)."""
+    measured = {**two["cp_fp64"], **four["cp_fp64"]}
+    assert sorted(measured) == ["cp2", "dp2_cp2_distopt"]
+    for layout, errors in measured.items():
+        for key in ("primal_rel_err", "tangent_rel_err", "sketch_rel_err"):
+            assert errors[key] <= FLOAT64_REL_TOL, (layout, key, errors)
+
+
+def test_packed_cp2_runs_equal_packed_and_padded_cp1_runs_on_the_same_rollouts(two, four):
+    """Packed CP=2 == packed CP=1 == padded CP=1, a change of layout: at every step the loss,
+    alpha and the predicted and realised KL, and the weights after the last step, within the
+    suite's layout bounds (measured CP=2 vs DP=2: loss <= 4e-8, alpha <= 6.2e-8, predicted KL
+    <= 1.3e-7, realised KL <= 1.9e-6, weights <= 1.7e-6)."""
+    compared = sorted(name for report in (two, four) for name in report["cp_vs_cp1"])
+    assert compared == ["cp2_vs_dp2:paper", "dp2_cp2_distopt_vs_tp2_dp2_sp:paper"]
+    bounds = {"loss": LOGRA_LAYOUT_LOSS_REL_TOL, "alpha": KL_CONTROL_LAYOUT_ALPHA_REL_TOL,
+              "kl_predicted": KL_CONTROL_LAYOUT_KL_PREDICTED_REL_TOL,
+              "kl_realized": KL_CONTROL_LAYOUT_KL_REALISED_REL_TOL}
+    for report in (two, four):
+        for name, against in report["cp_vs_cp1"].items():
+            for batching, errors in against.items():
+                for key, bound in bounds.items():
+                    assert errors[f"{key}_rel_err"] <= bound, (name, batching, key, errors)
+                assert errors["max_entry_rel_err"] <= LOGRA_LAYOUT_WEIGHT_REL_TOL, (name, batching)

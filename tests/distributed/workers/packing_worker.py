@@ -24,8 +24,14 @@ after the first and the last step. With ``--library`` also LoGRA's library mode 
 step control too). With ``--sft``, ``sft`` on prompt data (the supervised trainer, LoGRA under
 the KL step control) packed and padded at those layouts: step records and weights.
 
-Context parallelism (a layout with ``cp`` in its name): each such layout's packed run is also
-compared with the packed and the padded run of the job's first layout without CP, on the same
+Context parallelism (a layout with ``cp`` in its name), ``cp_fp64``: the single case's row of
+five sequences (each padded to a multiple of ``2 cp``) split over the CP ranks on a float64
+model built with CP: its logits and their forward-mode tangent gathered back into row order,
+and its LoGRA sketch summed over the CP ranks, against each sequence alone on the same model
+with CP switched off (``context_parallel_off``: whole sequences on one rank); ``--cp-fp64``
+names more layouts that run this check alone. Then each such
+layout's packed run is also
+compared with the packed and the padded run of a layout without CP (``--cp1``), on the same
 rollouts (the built-in sampler's, which any layout generates alike): the step records' largest
 relative differences and the full weights after the last step (``cp_vs_cp1``).
 """
@@ -40,8 +46,10 @@ import torch.autograd.forward_ad as fwAD
 from harness import Case, run_worker, switch_layout
 
 from megatron_logra.config import load_config
+from megatron_logra.context_parallel import gather_packed_row
 from megatron_logra.mcore import gather_full_weights, packed_seq_params
 from megatron_logra.mcore.compat.forward_ad import install_forward_ad_rules
+from megatron_logra.mcore.models.context_parallel import context_parallel_off
 from megatron_logra.mcore.models.gpt import build_model
 from megatron_logra.mcore.models.targets import find_targets
 from megatron_logra.mcore.tensor_parallel.sketched_linear import LayerSketch
@@ -214,6 +222,69 @@ def measure_jvp(cfg, groups) -> dict[str, float]:
         tangent_err = max(tangent_err, float((tangent[i, :n] - want_t[0]).abs().max()
                                              / want_t.abs().max()))
     return {"primal_rel_err": primal_err, "tangent_rel_err": tangent_err}
+
+
+def measure_cp_fp64(layout_name: str, world: int) -> dict[str, float]:
+    """A packed row split over CP against each of its sequences alone without CP (float64), at
+    ``layout_name`` (its TP, SP and CP; the DP replicas repeat it)."""
+    _, parallel = LAYOUTS[layout_name]
+    cfg = load_config(None, ["parallel.device=cpu", *parallel,
+                             *tiny_gpt(**NARROW, seq_length=SEQ), *SWIGLU_RMSNORM_NO_BIAS,
+                             "model.position_embedding=rope"]).resolved(world)
+    groups = switch_layout(cfg)
+    cp, multiple = groups.cp_size, _row_multiple(cfg)
+    seqs = _sequences()
+    step = 2 * cp * multiple
+    layout = _layout([len(s) - 1 for s in seqs], [-(-(len(s) - 1) // step) * step for s in seqs])
+    mine = layout.on_cp_rank(groups.cp_rank, cp)
+    tokens, labels, positions = _packed_inputs(seqs, layout)
+    mask = pack_row([torch.ones(len(s) - 1, dtype=torch.float64) for s in seqs], layout, 0.0)
+    packed = packed_seq_params(layout, "cpu")
+    model = build_model(cfg, groups, VOCAB).double()
+    model.eval()
+    generator = torch.Generator().manual_seed(5)
+    tangents = {name: torch.randn(p.shape, generator=generator, dtype=torch.float64)
+                for name, p in model.named_parameters()
+                if name == "embedding.word_embeddings.weight" or "input_layernorm" in name}
+    primal, tangent = _dual_forward(model, tangents, mine.split_row(tokens),
+                                    mine.split_row(positions), packed)
+    primal, tangent = (unpack_row(gather_packed_row(t, mine, groups.cp), layout)
+                       for t in (primal, tangent))
+
+    def alone(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # Unpacked, padded at its end to the SP multiple (causal: no effect on its tokens).
+        n = len(s) - 1
+        pad = -n % multiple
+        return (torch.nn.functional.pad(s[None, :-1], (0, pad)),
+                torch.nn.functional.pad(s[None, 1:], (0, pad)),
+                torch.arange(n + pad)[None])
+
+    errors = {"primal_rel_err": 0.0, "tangent_rel_err": 0.0}
+    with context_parallel_off(model):
+        for i, s in enumerate(seqs):
+            n = len(s) - 1
+            inputs, _, where = alone(s)
+            want_p, want_t = _dual_forward(model, tangents, inputs, where)
+            for key, got, want in (("primal_rel_err", primal, want_p),
+                                   ("tangent_rel_err", tangent, want_t)):
+                errors[key] = max(errors[key], float((got[i, :n] - want[0, :n]).abs().max()
+                                                     / want[0, :n].abs().max()))
+    model.train()
+    buffer = _sketch_buffer(model, groups)
+    losses = model(mine.split_row(tokens), mine.split_row(positions), None,
+                   labels=mine.split_row(labels), packed_seq_params=packed)
+    (losses * mine.split_row(mask)).sum().backward()
+    packed_sketch = buffer.data.clone()
+    torch.distributed.all_reduce(packed_sketch, group=groups.cp)
+    buffer.data.zero_()
+    with context_parallel_off(model):
+        for s in seqs:
+            inputs, targets, where = alone(s)
+            counted = (torch.arange(inputs.shape[1]) < len(s) - 1).double()[None]
+            (model(inputs, where, None, labels=targets) * counted).sum().backward()
+    errors["sketch_rel_err"] = float((packed_sketch - buffer.data).abs().max()
+                                     / buffer.data.abs().max())
+    return errors
 
 
 def measure_single(args, cfg, groups):
@@ -407,6 +478,8 @@ def measure_rl(args, cfg, groups):
     padded = {}
     kept: dict[tuple[str, str], dict] = {}  # (layout, preset): the run with its weights
     for layout in filter(None, args.layouts.split(",")):
+        if "cp" in layout:
+            report.setdefault("cp_fp64", {})[layout] = measure_cp_fp64(layout, world)
         groups = switch_layout(rl_cfg_for(args, world, layout, packed=True, grpo=False))
         report[layout] = {"paper": run_rl(args, world, layout, groups, grpo=False)}
         if layout in args.grpo.split(","):
@@ -421,7 +494,9 @@ def measure_rl(args, cfg, groups):
             kept[layout, preset] = dict(run)
             run.pop("padded_weights")
             run.pop("packed_weights")
-    cp1 = next((layout for layout in padded if "cp" not in layout), None)
+    for layout in filter(None, args.cp_fp64.split(",")):
+        report.setdefault("cp_fp64", {})[layout] = measure_cp_fp64(layout, world)
+    cp1 = args.cp1 or next((layout for layout in padded if "cp" not in layout), None)
     cp_vs_cp1 = {}
     for layout in padded:
         if "cp" in layout and cp1 is not None:
@@ -446,6 +521,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--layouts", default="tp1")
     parser.add_argument("--grpo", default="", help="layouts that also run the GRPO preset")
     parser.add_argument("--bf16", default="", help="layouts that also run in bf16")
+    parser.add_argument("--cp-fp64", default="",
+                        help="CP layouts that run only the float64 packed-row check")
+    parser.add_argument("--cp1", default="",
+                        help="the CP=1 layout the CP layouts are compared with (default: the "
+                        "first without CP)")
     parser.add_argument("--library", default="",
                         help="layouts that also run LoGRA's library mode")
     parser.add_argument("--sft", default="", help="layouts that run sft packed and padded")
