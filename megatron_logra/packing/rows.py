@@ -210,7 +210,8 @@ def pack_row(values: Sequence[torch.Tensor], layout: RowLayout, fill: float | in
 def unpack_row(row: torch.Tensor, layout: RowLayout, fill: float | int | bool = 0,
                index: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``[1, T, ...]`` (or ``[1, T]``) row values -> ``[N, L, ...]`` per sequence, ``fill``
-    past each sequence's end. Differentiable (a gather). ``index``: a precomputed
+    past each sequence's end (under context parallelism this rank's ``[1, T / cp, ...]`` ->
+    ``[N, W, ...]``, see :meth:`RowLayout.gather_index`). Differentiable (a gather). ``index``: a precomputed
     :meth:`RowLayout.gather_index` on the row's device."""
     if row.shape[:2] != (1, layout.local_length):
         raise ValueError(f"a packed row is [1, {layout.local_length}, ...], got "

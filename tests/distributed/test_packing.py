@@ -6,7 +6,7 @@ one process (float64 sketches, pack neighbours, forward-mode AD, for ``sdpa`` an
 attention), two processes (RL runs packed and padded at TP=2 with SP, DP=2 -- also the GRPO
 preset with a reference model and two updates per rollout batch, and bf16 -- PP=2 and CP=2,
 the last also in LoGRA's library mode) and four processes (TP=2 x DP=2 with SP, and CP=2 x DP=2
-with the distributed optimizer); the two-process job also runs ``sft`` on prompt data packed and
+with the distributed optimizer; a float64 packed row at TP=2 x CP=2 with SP); the two-process job also runs ``sft`` on prompt data packed and
 padded under the interleaved pipeline schedule (PP=2, VPP=2) and under CP=2.
 
 Context parallelism (issue [cp] item 3): a packed row's every sequence is split into ``2 cp``
@@ -68,7 +68,8 @@ def two(tmp_path_factory, synthetic_data_dir) -> dict:
 def four(tmp_path_factory, synthetic_data_dir) -> dict:
     out = Path(tmp_path_factory.mktemp("packing_four"))
     run_torchrun(4, [WORKER, "--case", "rl", "--out", str(out), "--data",
-                     str(synthetic_data_dir), "--layouts", "tp2_dp2_sp,dp2_cp2_distopt"])
+                     str(synthetic_data_dir), "--layouts", "tp2_dp2_sp,dp2_cp2_distopt",
+                     "--cp-fp64", "tp2_cp2_sp"])
     return json.loads((out / "result.json").read_text())
 
 
@@ -175,10 +176,11 @@ def test_sft_on_prompt_data_is_exact_packed_under_the_interleaved_schedule_and_c
 
 def test_float64_packed_row_split_over_cp_equals_its_sequences_alone_without_cp(two, four):
     """Logits, their forward-mode tangent and the LoGRA sketch (summed over the CP ranks) of a
-    packed row of five sequences split per sequence over CP=2 (and CP=2 x DP=2), against each
-    sequence alone on one rank: the order of float64 sums only (measured <= 5.1e-16)."""
+    packed row of five sequences split per sequence over CP=2 (and CP=2 x DP=2, TP=2 x CP=2
+    with SP), against each sequence alone on one rank: the order of float64 sums only
+    (measured <= 5.1e-16)."""
     measured = {**two["cp_fp64"], **four["cp_fp64"]}
-    assert sorted(measured) == ["cp2", "dp2_cp2_distopt"]
+    assert sorted(measured) == ["cp2", "dp2_cp2_distopt", "tp2_cp2_sp"]
     for layout, errors in measured.items():
         for key in ("primal_rel_err", "tangent_rel_err", "sketch_rel_err"):
             assert errors[key] <= FLOAT64_REL_TOL, (layout, key, errors)
