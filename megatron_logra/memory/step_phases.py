@@ -127,11 +127,13 @@ def _piece_pass_bytes(shape: ModelShape, layout: Layout, tokens: int, e: int,
     rows = min(tokens, max(1, PROBE_MLP_CHUNK_ELEMENTS // ffn))
     width = tokens * shape.query_width / t
     hidden = tokens * shape.hidden_size
-    # Under context parallelism a rank's queries attend to the piece's gathered keys.
+    # Under context parallelism a rank's two chunks of queries attend, one rule call each, to
+    # up to the piece's whole gathered keys.
     keys = tokens * layout.cp
+    queries = tokens // 2 if layout.cp > 1 else tokens
     gathered = 2 * keys * shape.kv_width / t if layout.cp > 1 else 0.0
     if tangents:
-        block = min(PROBE_BLOCK_ELEMENTS, heads * tokens * keys)
+        block = min(PROBE_BLOCK_ELEMENTS, heads * queries * keys)
         attention = (PROBE_ATTENTION_BLOCK_COPIES * block + PROBE_ATTENTION_WIDTH_COPIES * width
                      + 2 * gathered)
         mlp = PROBE_MLP_COPIES * rows * ffn + PROBE_HIDDEN_COPIES * hidden

@@ -417,7 +417,6 @@ def _run_config(converted_dir: Path, path: Path) -> Path:
         "rl": {"prompts_per_step": 4, "sampling": {"max_new_tokens": 4},
                "eval": {"interval": 0, "prompts": 4, "samples": 1}},
     }
-    config["logra"]["kl_control"] = {"probe_responses": 4}
     path.write_text(yaml.safe_dump(config))
     return path
 
@@ -476,7 +475,8 @@ def test_rl_from_a_converted_model_with_its_tokenizer_takes_a_kl_controlled_step
     data = _prompt_data(tmp_path / "data")
     config = _run_config(converted["qwen"], tmp_path / "run.yaml")
     run_torchrun(1, ["-m", "megatron_logra", "rl", str(config), f"data.dir={data}",
-                     "logra.kl_control.enabled=true", f"run.dir={tmp_path / 'rl'}"])
+                     "logra.kl_control.enabled=true", "logra.kl_control.probe_responses=4",
+                     f"run.dir={tmp_path / 'rl'}"])
     assert HFTokenizer(converted["qwen"] / "tokenizer").vocab_size < 256
     record = read_metrics(tmp_path / "rl" / "metrics.jsonl")[-1]
     assert record["step"] == 1
