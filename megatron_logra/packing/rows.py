@@ -133,7 +133,7 @@ class RowLayout:
                              f"{tuple(row.shape)}")
         return row.index_select(dim, self.held_positions().to(row.device))
 
-    def _sequence_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def sequence_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(positions, held)``, both ``[N, W]`` (W: the longest local span): the position
         within its sequence of each of this rank's tokens, and whether the column exists."""
         width = max(span // self.cp_size for span in self.spans)
@@ -150,7 +150,7 @@ class RowLayout:
         :meth:`gather_index`; ``fill`` past each sequence's length."""
         if self.cp_size == 1:
             return values
-        positions, held = self._sequence_positions()
+        positions, held = self.sequence_positions()
         valid = held & (positions < torch.tensor(self.lengths)[:, None])
         positions, valid = positions.to(values.device), valid.to(values.device)
         index = torch.where(valid, positions, 0).clamp(max=values.shape[1] - 1)
@@ -168,7 +168,7 @@ class RowLayout:
         Under context parallelism ``[N, W]`` into this rank's local row: column k of sequence
         i is its k-th local token (the order of :meth:`split_per_sequence`)."""
         if self.cp_size > 1:
-            positions, held = self._sequence_positions()
+            positions, held = self.sequence_positions()
             valid = held & (positions < torch.tensor(self.lengths)[:, None])
             local_starts = torch.tensor(self.starts, dtype=torch.int64)[:, None] // self.cp_size
             offsets = torch.arange(positions.shape[1], dtype=torch.int64)[None, :]

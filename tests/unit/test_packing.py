@@ -197,7 +197,7 @@ def test_under_cp_the_local_gather_index_and_the_per_sequence_split_agree_with_t
         valid = mine.gather_index()[1]
         assert local.tolist() == share.tolist()
         # The valid entries are each sequence's real tokens this rank holds: scatter them back.
-        positions, held = mine._sequence_positions()
+        positions, held = mine.sequence_positions()
         for i in range(len(spans)):
             seen[i, positions[i][valid[i]]] += share[i][valid[i]]
         assert (share[~valid] == 0).all()

@@ -33,6 +33,7 @@ from megatron_logra.mcore.tensor_parallel.seq_collectives import (
     all_gather_first_dim,
     reduce_scatter_first_dim,
 )
+from megatron_logra.packing.rows import RowLayout
 
 
 class _GatherRow(torch.autograd.Function):
@@ -59,23 +60,14 @@ class _GatherRow(torch.autograd.Function):
         return all_gather_first_dim(tangent, ctx.group).index_select(0, ctx.order)
 
 
-def _spans(params: PackedSeqParams) -> tuple[list[int], list[int]]:
-    """Each sequence's start and span in the whole row."""
+def _row_layout(params: PackedSeqParams) -> RowLayout:
+    """The whole row's layout from its ``thd`` parameters (real lengths and spans)."""
+    real = params.cu_seqlens_q.tolist()
     padded = (params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None
               else params.cu_seqlens_q).tolist()
-    return padded[:-1], [b - a for a, b in zip(padded, padded[1:], strict=False)]
-
-
-def _rank_major_positions(starts: list[int], spans: list[int], cp_size: int,
-                          device: torch.device) -> torch.Tensor:
-    """The row position of each entry of the CP ranks' local rows concatenated in rank order."""
-    parts = []
-    for rank in range(cp_size):
-        for start, span in zip(starts, spans, strict=True):
-            chunk = span // (2 * cp_size)
-            parts += [torch.arange(start + c * chunk, start + (c + 1) * chunk)
-                      for c in held_chunks(rank, cp_size)]
-    return torch.cat(parts).to(device)
+    return RowLayout(lengths=tuple(b - a for a, b in zip(real, real[1:], strict=False)),
+                     spans=tuple(b - a for a, b in zip(padded, padded[1:], strict=False)),
+                     row_length=padded[-1])
 
 
 def packed_context_parallel_attention(
@@ -101,14 +93,15 @@ def packed_context_parallel_attention(
         ``[T / cp, 1, heads * d_v]``.
     """
     cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
-    starts, spans = _spans(params)
     local, heads, _ = query.shape
-    if sum(spans) != cp_size * local or any(span % (2 * cp_size) for span in spans):
+    layout = _row_layout(params)
+    if layout.row_length != cp_size * local:
         raise ValueError(
-            f"a packed row split over cp={cp_size} ranks needs every sequence's span a multiple "
-            f"of {2 * cp_size} and {local} local tokens = spans / cp; got spans {spans}"
+            f"a packed row of {layout.row_length} tokens split over cp={cp_size} ranks gives "
+            f"each {layout.row_length // cp_size}, got {local} queries"
         )
-    rank_major = _rank_major_positions(starts, spans, cp_size, query.device)
+    # (RowLayout refuses a span that does not split into 2 * cp chunks.)
+    rank_major = layout.on_cp_rank(cp_rank, cp_size).rank_major_positions().to(query.device)
     order = torch.argsort(rank_major)
     key_dim = key.shape[-1]
     both = _GatherRow.apply(torch.cat([key, value], dim=-1), group, order, rank_major)
@@ -117,7 +110,7 @@ def packed_context_parallel_attention(
         [key_dim, value.shape[-1]], dim=-1))
     queries = query.permute(1, 0, 2)[None]
     outputs, offset = [], 0
-    for start, span in zip(starts, spans, strict=True):
+    for start, span in zip(layout.starts, layout.spans, strict=True):
         chunk = span // (2 * cp_size)
         for half, index in enumerate(held_chunks(cp_rank, cp_size)):
             visible = slice(start, start + (index + 1) * chunk)
