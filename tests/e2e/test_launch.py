@@ -335,12 +335,13 @@ def test_recipes_run_the_cli_with_their_knobs_before_the_callers_overrides(recip
 ONE_STEP_OFF = ["rollout.placement=separate", "rollout.max_staleness=1"]
 
 
-def test_the_launch_preflight_and_the_recipes_accept_one_step_off_rollouts(tmp_path):
+def test_the_launch_preflight_and_the_recipes_accept_one_step_off_rollouts(synthetic_data_dir,
+                                                                          tmp_path):
     """What the launch scripts run before any rank (``megatron_logra check``) accepts a
     separate engine generating one step ahead, and the recipes pass the setting to the CLI."""
     result = subprocess.run(
         [sys.executable, "-m", "megatron_logra", "check", "--world-size=2", "rl", RL_CONFIG,
-         *ONE_STEP_OFF, f"run.dir={tmp_path / 'run'}"],
+         *ONE_STEP_OFF, f"data.dir={synthetic_data_dir}", f"run.dir={tmp_path / 'run'}"],
         cwd=REPO, env=_script_env(), capture_output=True, text=True, timeout=PREFLIGHT_WALL_S)
     assert result.returncode == 0, result.stderr
     for recipe in (logra_rl_recipe, dense_rl_recipe):

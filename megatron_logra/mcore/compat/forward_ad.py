@@ -26,6 +26,12 @@ applied to the tangent. Two traps decide the details:
    tangent. So the reduce rule all-reduces the input tangent in place, mirroring the primal.
 2. Tangents never go through Megatron's global memory buffer: a primal output may live in it,
    and a second request for the same buffer would overwrite it.
+3. A primal output in that buffer is a *view* of it whenever the request is smaller than the
+   buffer (the streamed KL probe's pieces are shorter than the training microbatches that sized
+   it), and forward AD wants a view output's tangent laid out as a view too, which a freshly
+   gathered tangent is not (PyTorch's "tangent have the same layout as primal" assertion, seen
+   with the MoE all-gather dispatcher). While a dual level is open, the wrapped forward returns
+   a copy of an output that views a tensor other than its inputs.
 
 Installation is explicit (nothing happens on import), idempotent and process-wide. It changes
 nothing for ordinary training: the wrapped ``forward`` calls the original one and keeps
@@ -236,6 +242,15 @@ def _targets() -> list[_Target]:
 _installed: dict[type, Any] = {}
 
 
+def _views_other_than(output: Any, args: tuple[Any, ...]) -> bool:
+    """Whether ``output`` is a view of a tensor that is none of ``args`` (nor their bases)."""
+    if not isinstance(output, torch.Tensor) or output._base is None:
+        return False
+    bases = {id(a) for a in args if isinstance(a, torch.Tensor)}
+    bases |= {id(a._base) for a in args if isinstance(a, torch.Tensor) and a._base is not None}
+    return id(output._base) not in bases
+
+
 def _wrapped_forward(original: Callable[..., Any]) -> Callable[..., Any]:
     def forward(ctx: Any, *args: Any) -> Any:
         output = original(ctx, *args)
@@ -243,7 +258,10 @@ def _wrapped_forward(original: Callable[..., Any]) -> Callable[..., Any]:
             # Inside forward the tangents are invisible; keep the primal arguments for the rule,
             # which torch calls right after this forward returns.
             setattr(ctx, _INPUTS_ATTR, args)
-            setattr(ctx, _AS_IS_ATTR, any(output is arg for arg in args))
+            as_is = any(output is arg for arg in args)
+            setattr(ctx, _AS_IS_ATTR, as_is)
+            if not as_is and _views_other_than(output, args):
+                output = output.clone()  # trap 3: a view of the global memory buffer
         return output
 
     return forward
