@@ -65,11 +65,16 @@ class Pack:
     @property
     def starts(self) -> tuple[int, ...]:
         """Where each sequence starts in the row."""
-        starts, offset = [], 0
-        for span in self.spans:
-            starts.append(offset)
-            offset += span
-        return tuple(starts)
+        return span_starts(self.spans)
+
+
+def span_starts(spans: Sequence[int]) -> tuple[int, ...]:
+    """Where each of consecutive ``spans`` starts in their row."""
+    starts, offset = [], 0
+    for span in spans:
+        starts.append(offset)
+        offset += span
+    return tuple(starts)
 
 
 @dataclass(frozen=True)

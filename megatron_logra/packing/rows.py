@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_logra.context_parallel import held_positions
-from megatron_logra.packing.plan import Pack
+from megatron_logra.packing.plan import Pack, span_starts
 
 
 @dataclass(frozen=True)
@@ -80,11 +80,7 @@ class RowLayout:
 
     @property
     def starts(self) -> tuple[int, ...]:
-        starts, offset = [], 0
-        for span in self.spans:
-            starts.append(offset)
-            offset += span
-        return tuple(starts)
+        return span_starts(self.spans)
 
     @property
     def sequences(self) -> int:

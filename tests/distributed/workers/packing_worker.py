@@ -195,14 +195,20 @@ def _dual_forward(model, tangents: dict, tokens, positions, packed=None):
     return primal, tangent
 
 
-def measure_jvp(cfg, groups) -> dict[str, float]:
-    seqs = _sequences()
+def _float64_model_with_tangents(cfg, groups):
+    """The float64 model in eval mode and seeded tangents of the embedding and input norms."""
     model = build_model(cfg, groups, VOCAB).double()
     model.eval()
     generator = torch.Generator().manual_seed(5)
     tangents = {name: torch.randn(p.shape, generator=generator, dtype=torch.float64)
                 for name, p in model.named_parameters()
                 if name == "embedding.word_embeddings.weight" or "input_layernorm" in name}
+    return model, tangents
+
+
+def measure_jvp(cfg, groups) -> dict[str, float]:
+    seqs = _sequences()
+    model, tangents = _float64_model_with_tangents(cfg, groups)
     multiple = _row_multiple(cfg)
     layout = _layout([len(s) - 1 for s in seqs], [len(s) + 1 for s in seqs], multiple)
     tokens, _, positions = _packed_inputs(seqs, layout)
@@ -240,12 +246,7 @@ def measure_cp_fp64(layout_name: str, world: int) -> dict[str, float]:
     tokens, labels, positions = _packed_inputs(seqs, layout)
     mask = pack_row([torch.ones(len(s) - 1, dtype=torch.float64) for s in seqs], layout, 0.0)
     packed = packed_seq_params(layout, "cpu")
-    model = build_model(cfg, groups, VOCAB).double()
-    model.eval()
-    generator = torch.Generator().manual_seed(5)
-    tangents = {name: torch.randn(p.shape, generator=generator, dtype=torch.float64)
-                for name, p in model.named_parameters()
-                if name == "embedding.word_embeddings.weight" or "input_layernorm" in name}
+    model, tangents = _float64_model_with_tangents(cfg, groups)
     primal, tangent = _dual_forward(model, tangents, mine.split_row(tokens),
                                     mine.split_row(positions), packed)
     primal, tangent = (unpack_row(gather_packed_row(t, mine, groups.cp), layout)
