@@ -3,12 +3,14 @@
     python tools/bench_kl_probe.py                        # the RL-like bench shape, 1 x 2048, fp32
     python tools/bench_kl_probe.py --seq-length 8192 --steps 1
     python tools/bench_kl_probe.py --profile              # where the forward-mode pass spends time
+    python tools/bench_kl_probe.py --microbatches 8 --probe-responses 1 --steps 1
 
 Paper mode under predicted-KL step control (the paper's method as it runs) on one process, CPU
-by default: hidden 1024, 8 layers, 8 heads, SwiGLU FFN 4096, vocabulary 1024, one sequence per
-step whose every position is probed (the probe is the whole batch here; in RL it is
-``probe_responses`` of hundreds of responses). Per measured step, in the same run (so that the
-machine's load affects both sides alike):
+by default: hidden 1024, 8 layers, 8 heads, SwiGLU FFN 4096, vocabulary 1024, ``--microbatches`` sequences
+per step (one by default), ``--probe-responses`` of them probed at every position (one by
+default: the probe is then the whole batch; in RL it is ``probe_responses`` of hundreds of
+responses). Per measured step, in the same run (so that the machine's load affects both sides
+alike):
 
 * ``step``: the training step (forward, backward, the optimizer's step with the probe's
   forward-mode pass inside it) plus the realised-KL pass after it, as the trainers run it;
@@ -16,8 +18,10 @@ machine's load affects both sides alike):
 * ``realised``: the realised-KL pass (a plain forward per piece and the KL);
 * ``forward``: a plain forward of the same probe pieces (eval, no grad), the reference.
 
-Prints the medians, ``jvp / forward`` (the goal: <= 2.5) and the probe's share of the step
-(``(jvp + realised) / step``), and with ``--profile`` the operators of one forward-mode pass by
+Prints the medians, ``jvp / forward`` (the goal: <= 2.5), the probe's share of the measured step
+(``(jvp + realised) / step``) and its share of a step at the paper's ratio -- 2 probed of 32
+responses per rank (global batch 128 on 4 GPUs) -- composed from the same run's per-sequence
+costs of training and of probing, and with ``--profile`` the operators of one forward-mode pass by
 self CPU time beside a plain forward's. Report ``uptime`` with the figures: the ratios hold
 under load, the seconds do not. With ``--device cuda`` it also reports
 ``torch.cuda.max_memory_allocated`` of the step's forward and backward, of the probe's
@@ -28,6 +32,7 @@ must not set the step's peak).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -52,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--vocab", type=int, default=1024)
     parser.add_argument("--seq-length", type=int, default=2048)
     parser.add_argument("--sketch-rank", type=int, default=64)
+    parser.add_argument("--microbatches", type=int, default=1,
+                        help="sequences of --seq-length per step, one microbatch each")
+    parser.add_argument("--probe-responses", type=int, default=1,
+                        help="sequences of the step in the KL probe (evenly spaced)")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--warmup", type=int, default=1)
@@ -71,7 +80,8 @@ def _bench_args(args: argparse.Namespace) -> argparse.Namespace:
     """The arguments tools/bench_methods_run.py's config builder reads."""
     return argparse.Namespace(
         layers=args.layers, hidden=args.hidden, heads=args.heads, ffn=args.ffn,
-        vocab=args.vocab, seq_length=args.seq_length, micro_batch_size=1, microbatches=1,
+        vocab=args.vocab, seq_length=args.seq_length, micro_batch_size=1,
+        microbatches=args.microbatches,
         recompute="none", attention="sdpa", dtype=args.dtype, moe_experts=0,
         sketch_rank=args.sketch_rank, lora_rank=None, lora_alpha=None, lr=1e-4,
         master_weights=None, tp=1, sp=False, device=args.device, warmup=args.warmup,
@@ -123,6 +133,18 @@ def _peak(device: Any) -> int:
     return peak
 
 
+PAPER_PROBED, PAPER_PER_RANK = 2, 32
+"""The paper's probe: 2 of each rank's 32 responses (global batch 128 on 4 GPUs)."""
+
+
+def _share_at_ratio(row: dict[str, float], sequences: int, probed: int) -> float:
+    """The probe's share of a step that trains :data:`PAPER_PER_RANK` sequences and probes
+    :data:`PAPER_PROBED`, from this step's per-sequence costs of training and of probing."""
+    probe = (row["jvp"] + row["realised"]) / probed
+    train = (row["step"] - row["jvp"] - row["realised"]) / sequences
+    return PAPER_PROBED * probe / (PAPER_PER_RANK * train + PAPER_PROBED * probe)
+
+
 def _plain_forward(control: Any) -> None:
     """The model's own forward of each probe piece, its output layer included."""
     from megatron_logra.mcore.kl_probe.logit_jvp import probe_logits
@@ -153,6 +175,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     bench = _bench_args(args)
     cfg = method_config(bench, "logra_paper", 1)
+    probe_settings = dataclasses.replace(cfg.logra.kl_control,
+                                         probe_responses=args.probe_responses)
     groups = init_parallel(cfg)
     try:
         chunks = build_model_chunks(cfg, groups, vocab_size=args.vocab)
@@ -163,7 +187,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         batch = microbatches(bench, groups, groups.device)
         rows = []
         for index in range(args.warmup + args.steps):
-            control.set_batch(supervised_probe_batch(batch, cfg.logra.kl_control, dp_rank=0,
+            control.set_batch(supervised_probe_batch(batch, probe_settings, dp_rank=0,
                                                      dp_size=1))
             _peak(groups.device)
             start = time.perf_counter()
@@ -198,6 +222,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                        for r in rows),
             "probe_share_of_step": statistics.median((r["jvp"] + r["realised"]) / r["step"]
                                                      for r in rows),
+            "probe_share_at_paper_ratio": statistics.median(
+                _share_at_ratio(r, args.microbatches, args.probe_responses) for r in rows),
             "load_average": os.getloadavg(),
         }
         if args.repeats:
@@ -219,7 +245,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             result["probe_below_backward"] = max(peaks["kl_probe"], peaks["realised_kl"]) < (
                 peaks["forward_backward"])
         if args.profile:
-            control.set_batch(supervised_probe_batch(batch, cfg.logra.kl_control, dp_rank=0,
+            control.set_batch(supervised_probe_batch(batch, probe_settings, dp_rank=0,
                                                      dp_size=1))
             captured: dict[str, Any] = {}
 
@@ -257,6 +283,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 1 or args.warmup < 0:
         print("error: --steps must be >= 1 and --warmup >= 0", file=sys.stderr)
         return 2
+    if not 1 <= args.probe_responses <= args.microbatches:
+        print(f"error: --probe-responses {args.probe_responses} must be between 1 and "
+              f"--microbatches ({args.microbatches})", file=sys.stderr)
+        return 2
     result = run(args)
     if args.json:
         print(json.dumps(result, indent=1))
@@ -270,7 +300,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  the same, fastest of {args.repeats} alternated: "
               f"{result['jvp_over_forward_fastest']:.2f}")
     print(f"realised-KL pass / plain forward: {result['realised_over_forward']:.2f}")
-    print(f"probe share of the step: {100 * result['probe_share_of_step']:.1f}% (goal <= 25%)")
+    print(f"probe share of the step ({args.probe_responses} of {args.microbatches} sequences "
+          f"probed): {100 * result['probe_share_of_step']:.1f}% (goal <= 25%)")
+    print(f"  at the paper's {PAPER_PROBED} of {PAPER_PER_RANK} per rank, from these costs: "
+          f"{100 * result['probe_share_at_paper_ratio']:.1f}%")
     print("load average (1, 5, 15 min): " + ", ".join(f"{x:.1f}" for x in result["load_average"]))
     if "peak_allocated_bytes" in result:
         print("peak allocated [MiB]: " + ", ".join(

@@ -79,6 +79,8 @@ def paper_weight_norm_bytes(shape: ModelShape, layout: Layout,
 
 PROBE_BLOCK_ELEMENTS = 2**24
 """Elements of one block of the sdpa tangent rule (``mcore/models/sdpa_forward_ad.py``)."""
+PROBE_BLOCK_ROWS = 256
+"""Query rows of one such block at most (the rule's ``BLOCK_ROWS``)."""
 PROBE_ATTENTION_BLOCK_COPIES = 2
 """Block-sized tensors alive at once in that rule: the probabilities and the weighted score
 tangent, each updated in place (measured: 2.0)."""
@@ -118,8 +120,8 @@ temporaries (measured 80.2-80.3)."""
 def _piece_pass_bytes(shape: ModelShape, layout: Layout, tokens: int, e: int,
                       tangents: bool) -> float:
     """The widest moment of one probe piece's pass through a layer: its core attention (with
-    ``tangents``, the tangent rule's blocks, bounded by :data:`PROBE_BLOCK_ELEMENTS`, causal:
-    at most the square) with the piece's attention-width tensors, or a chunk of its MLP with
+    ``tangents``, the tangent rule's blocks, bounded by :data:`PROBE_BLOCK_ELEMENTS` and
+    :data:`PROBE_BLOCK_ROWS`) with the piece's attention-width tensors, or a chunk of its MLP with
     the piece's hidden-width tensors, whichever is larger."""
     t = layout.tp
     heads = shape.num_attention_heads / t
@@ -133,7 +135,7 @@ def _piece_pass_bytes(shape: ModelShape, layout: Layout, tokens: int, e: int,
     queries = tokens // 2 if layout.cp > 1 else tokens
     gathered = 2 * keys * shape.kv_width / t if layout.cp > 1 else 0.0
     if tangents:
-        block = min(PROBE_BLOCK_ELEMENTS, heads * queries * keys)
+        block = min(PROBE_BLOCK_ELEMENTS, heads * min(PROBE_BLOCK_ROWS, queries) * keys)
         attention = (PROBE_ATTENTION_BLOCK_COPIES * block + PROBE_ATTENTION_WIDTH_COPIES * width
                      + 2 * gathered)
         mlp = PROBE_MLP_COPIES * rows * ffn + PROBE_HIDDEN_COPIES * hidden

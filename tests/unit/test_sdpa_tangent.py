@@ -63,13 +63,15 @@ def _case(name, generator):
     return primals, tangents, allowed, is_causal
 
 
-# One block; blocks of a few rows (causal: growing key ranges, a ragged last block); blocks
-# of one row, the least any budget allows.
-@pytest.mark.parametrize("block_elements", [2**24, 5 * BATCH * HEADS * 12, 1])
+# One block; blocks of a few rows (causal: growing key ranges, a ragged last block), set by
+# the element budget or by the row cap; blocks of one row, the least any budget allows.
+@pytest.mark.parametrize("block_elements,block_rows", [(2**24, 256), (5 * BATCH * HEADS * 12, 256),
+                                                       (2**24, 5), (1, 256)])
 @pytest.mark.parametrize("name", ["causal", "causal_gqa", "mask_with_empty_row", "decode_row"])
 def test_tangent_of_sdpa_attention_equals_reference_jvp_in_float64(name, block_elements,
-                                                                   monkeypatch):
+                                                                   block_rows, monkeypatch):
     monkeypatch.setattr(sdpa_forward_ad, "BLOCK_ELEMENTS", block_elements)
+    monkeypatch.setattr(sdpa_forward_ad, "BLOCK_ROWS", block_rows)
     generator = torch.Generator().manual_seed(0)
     primals, tangents, allowed, is_causal = _case(name, generator)
     scale = SCALE
@@ -151,3 +153,14 @@ def test_tangent_rule_holds_no_tensor_larger_than_its_block_budget(is_causal, mo
     _, want = torch.func.jvp(lambda q, k, v: reference(q, k, v, allowed, is_causal, SCALE),
                              tuple(primals), tuple(tangents))
     assert _rel(got, want) < TANGENT_REL_TOL_FP64
+
+
+def test_memory_estimator_bounds_the_probe_as_the_code_does():
+    """The estimator (which may not import the model code) mirrors the probe's bounds."""
+    from megatron_logra.mcore.kl_probe import stream
+    from megatron_logra.memory import step_phases
+
+    assert step_phases.PROBE_BLOCK_ELEMENTS == sdpa_forward_ad.BLOCK_ELEMENTS
+    assert step_phases.PROBE_BLOCK_ROWS == sdpa_forward_ad.BLOCK_ROWS
+    assert step_phases.PROBE_MLP_CHUNK_ELEMENTS == stream.MLP_CHUNK_ELEMENTS
+    assert step_phases.KL_CHUNK_POSITIONS == stream.OUTPUT_CHUNK_POSITIONS
