@@ -18,13 +18,13 @@ preemption, the launch scripts) run the real one through :func:`torchrun_command
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from megatron_logra.local_ports import free_port
 from tests.rank_zygote import run_ranks
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,12 +53,6 @@ def torchrun_command(nproc: int, args: list[str]) -> list[str]:
     ]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def rank_env(rank: int, nproc: int, port: int) -> dict[str, str]:
     """What torchrun --standalone --nproc_per_node=nproc sets for ``rank`` (one node)."""
     return {
@@ -82,7 +76,7 @@ def run_torchrun(
     a rank fails (without: the result carries the first nonzero exit code, for a test that
     expects the job to refuse)."""
     command = [sys.executable, *args]
-    port = _free_port()
+    port = free_port()
     deadline = time.monotonic() + timeout_s
     with tempfile.TemporaryDirectory(prefix="ranks-") as logs:
         outs = [open(Path(logs) / f"{rank}.out", "w+") for rank in range(nproc)]  # noqa: SIM115

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -17,6 +16,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
 from megatron_logra.config import Config
+from megatron_logra.local_ports import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -105,12 +105,6 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def init_parallel(cfg: Config) -> ParallelGroups:
     """Start torch.distributed (torchrun's env:// or a 1-process world) and Megatron's groups.
 
@@ -135,7 +129,7 @@ def init_parallel(cfg: Config) -> ParallelGroups:
             # A plain `python -m megatron_logra ...`: a world of one process.
             os.environ.update(
                 {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
-                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
             )
         dist.init_process_group(backend=backend, timeout=collective_timeout)
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,6 +34,7 @@ from typing import Any
 import torch
 
 from megatron_logra.config import Config, RolloutConfig, SyncConfig
+from megatron_logra.local_ports import free_port
 from megatron_logra.rollout.collective_sync import CollectiveSender, TransportStats, channel_device
 from megatron_logra.rollout.engine import EngineResponse
 from megatron_logra.rollout.placement import engine_device_env, pin_to_cpus
@@ -57,12 +57,6 @@ _LAUNCHER_VARIABLES = frozenset({"GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", 
                                  "ROLE_WORLD_SIZE", "LOCAL_WORLD_SIZE"})
 # The engine runs this installation's package, wherever the trainer was started from.
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def engine_config(cfg: Config) -> dict[str, Any]:
@@ -121,7 +115,9 @@ class MegatronEngine:
         config_path.write_text(json.dumps(engine_config(self.cfg)))
         targets_path = Path(self._tmp.name) / "shadow_targets.json"
         targets_path.write_text(json.dumps(self.target_names))
-        port, dist_port, authkey = _free_port(), _free_port(), os.urandom(32)
+        # The engine's rank 0 listens on a port of the kernel's choosing and writes it here.
+        port_file = Path(self._tmp.name) / "port"
+        dist_port, authkey = free_port(), os.urandom(32)
         for rank in range(ro.tp):
             env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank),
                    "WORLD_SIZE": str(ro.tp),
@@ -138,7 +134,7 @@ class MegatronEngine:
             with open(log_path, "w") as log:
                 process = subprocess.Popen(
                     [sys.executable, "-m", "megatron_logra.mcore.inference.engine_server",
-                     "--config", str(config_path), "--port", str(port),
+                     "--config", str(config_path), "--port-file", str(port_file),
                      "--shadow-targets", str(targets_path)],
                     env=env, stdout=log, stderr=subprocess.STDOUT,
                 )
@@ -164,7 +160,7 @@ class MegatronEngine:
                     f"{self.log_dir}/engine_rank0.log"
                 )
             try:
-                conn = Client(("127.0.0.1", port), authkey=authkey)
+                conn = Client(("127.0.0.1", int(port_file.read_text())), authkey=authkey)
             except (ConnectionRefusedError, FileNotFoundError):
                 time.sleep(LIVENESS_POLL_S)
                 continue

@@ -25,6 +25,7 @@ import logging
 import os
 import sys
 from multiprocessing.connection import Listener
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -150,7 +151,14 @@ def combined_reply(replies: list[tuple[str, Any]]) -> tuple[str, Any]:
         for message, ranks in failed.items())
 
 
-def serve(cfg, port: int, authkey: bytes, shadow_targets: list[str]) -> None:
+def _publish_port(port_file: Path, port: int) -> None:
+    """Write the listener's port where the trainer waits for it (whole or not at all)."""
+    staged = port_file.with_suffix(".tmp")
+    staged.write_text(str(port))
+    staged.replace(port_file)
+
+
+def serve(cfg, port_file: Path, authkey: bytes, shadow_targets: list[str]) -> None:
     groups = init_parallel(cfg)
     world = dist.group.WORLD
     rank = None
@@ -158,7 +166,10 @@ def serve(cfg, port: int, authkey: bytes, shadow_targets: list[str]) -> None:
         rank = EngineRank(cfg, groups, shadow_targets)
         conn = None
         if groups.world_rank == 0:
-            listener = Listener(("127.0.0.1", port), authkey=authkey)
+            # The kernel picks the port as the listener binds it, so no other socket can take
+            # it between a choice and the bind; the trainer reads it from the file.
+            listener = Listener(("127.0.0.1", 0), authkey=authkey)
+            _publish_port(port_file, listener.address[1])
             conn = listener.accept()
             disable_nagle(conn)  # replies over 16 KiB (rollouts, digests) would wait ~40 ms
         while True:
@@ -195,7 +206,8 @@ def serve(cfg, port: int, authkey: bytes, shadow_targets: list[str]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="the engine config (JSON)")
-    parser.add_argument("--port", type=int, required=True, help="rank 0 listens here")
+    parser.add_argument("--port-file", type=Path, required=True,
+                        help="rank 0 writes the port it listens on here")
     parser.add_argument("--shadow-targets", required=True,
                         help="JSON list of the parameters the engine keeps an fp32 shadow of")
     args = parser.parse_args(argv)
@@ -203,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cfg = config_from_dict(json.loads(open(args.config).read())).resolved(world, "rl")
     shadow_targets = json.loads(open(args.shadow_targets).read())
-    serve(cfg, args.port, bytes.fromhex(os.environ[AUTHKEY_ENV]), shadow_targets)
+    serve(cfg, args.port_file, bytes.fromhex(os.environ[AUTHKEY_ENV]), shadow_targets)
     return 0
 
 
