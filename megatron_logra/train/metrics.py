@@ -60,6 +60,7 @@ _FIELD_FORMATS: dict[str, Callable[[Any], str]] = {
     "alpha": lambda value: f"alpha {value:.3f}",
     "rollout_time_s": lambda value: f"rollout {value:.3f} s",
     "update_time_s": lambda value: f"update {value:.3f} s",
+    "kl_probe_time_s": lambda value: f"probe {value:.3f} s",
     "sync_mode": lambda value: f"sync {value}",
     "microbatches": lambda value: f"mb {value}",
     "padding_fraction": lambda value: f"pad {100 * value:.1f}%",
@@ -89,7 +90,7 @@ CONSOLE_FIELDS: tuple[str, ...] = (
     "loss", "reward", "accuracy", "response_length", "truncated_fraction", "eval_greedy",
     "eval_pass@1", "eval_truncated", "grad_norm", "lr", "kl_predicted_scaled", "kl_realized",
     "alpha", "tokens_per_s", "step_time_s", "rollout_time_s", "update_time_s",
-    "microbatches", "padding_fraction", "master_merge_time_s", "sync_mode", "sync_bytes",
+    "kl_probe_time_s", "microbatches", "padding_fraction", "master_merge_time_s", "sync_mode", "sync_bytes",
     "sync_time_s", "sync_weights_match", "mem_bytes",
 )
 

@@ -39,7 +39,7 @@ STEP_FIELDS = (
     "loss", "reward", "accuracy", "response_length", "grad_norm", "kl_predicted",
     "kl_predicted_scaled", "kl_realized", "alpha", "kl_budget", "kl_budget_effective",
     "mismatch", "importance_weight_mean", "logprob_gap_all_tokens", "logprob_gap_max", "tokens",
-    "step_time_s", "tokens_per_s", "mem_bytes", "baseline",
+    "step_time_s", "tokens_per_s", "mem_bytes", "baseline", "kl_probe_time_s",
 )
 EVAL_FIELDS = ("eval_pass@1", "eval_pass@k", "eval_greedy")
 # On-policy the sampler and the trainer compute the same log-probs up to fp32 rounding: the

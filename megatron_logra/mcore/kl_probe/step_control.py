@@ -33,6 +33,7 @@ all ranks.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -100,6 +101,7 @@ class KLStepControl:
         hold the output; empty elsewhere)."""
         self.realised_piece_sums: list[TokenSum] = []
         """The same of the last realised-KL measurement."""
+        self._seconds = {"predicted": 0.0, "realised": 0.0}
 
     @property
     def pieces(self) -> list[ProbePiece]:
@@ -150,6 +152,7 @@ class KLStepControl:
         """The step scale alpha for a prepared update (collective)."""
         if self.batch is None:
             raise RuntimeError("KLStepControl has no probe batch for this step (set_batch)")
+        start = time.perf_counter()
         proposals = {key: LowRankDirection(left, right)
                      for key, (left, right) in proposal.directions.items()}
         self._pieces = self._layout(self.batch)
@@ -162,6 +165,7 @@ class KLStepControl:
         predicted = self._global_mean(sums, "predicted")
         self.decision = self.controller.decide(predicted,
                                                completed_updates=proposal.completed_updates)
+        self._seconds["predicted"] = time.perf_counter() - start
         return self.decision.alpha
 
     @torch.no_grad()
@@ -171,13 +175,16 @@ class KLStepControl:
             raise RuntimeError("no probe batch")
         if self._holds_logits() and self._pieces and self._kept is None:
             raise RuntimeError("realised() needs the logits of a preceding prediction")
+        start = time.perf_counter()
         try:
             sums = realised_sums(self.model_chunks, self._pieces, self._kept, kl=self.kl,
                                  pipeline=self.pipeline, holds_output=self._holds_logits())
         finally:
             self._kept = None
         self.realised_piece_sums = sums
-        return self._global_mean(sums, "realised")
+        mean = self._global_mean(sums, "realised")
+        self._seconds["realised"] = time.perf_counter() - start
+        return mean
 
     def metrics(self, realised: float) -> dict[str, float]:
         decision = self.decision
@@ -191,4 +198,6 @@ class KLStepControl:
             "kl_budget": decision.kl_budget,
             "kl_budget_effective": decision.kl_budget_effective,
             "mismatch": decision.mismatch,
+            # This rank's wall time of the step's two probe passes (forward-mode and realised).
+            "kl_probe_time_s": self._seconds["predicted"] + self._seconds["realised"],
         }
