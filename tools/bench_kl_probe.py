@@ -6,10 +6,10 @@
     python tools/bench_kl_probe.py --microbatches 8 --probe-responses 1 --steps 1
 
 Paper mode under predicted-KL step control (the paper's method as it runs) on one process, CPU
-by default: hidden 1024, 8 layers, 8 heads, SwiGLU FFN 4096, vocabulary 1024, ``--microbatches`` sequences
-per step (one by default), ``--probe-responses`` of them probed at every position (one by
-default: the probe is then the whole batch; in RL it is ``probe_responses`` of hundreds of
-responses). Per measured step, in the same run (so that the machine's load affects both sides
+by default: hidden 1024, 8 layers, 8 heads, SwiGLU FFN 4096, vocabulary 1024,
+``--microbatches`` sequences per step (one by default), ``--probe-responses`` of them probed at
+every position (one by default: the probe is then the whole batch; in RL it is
+``probe_responses`` of hundreds of responses). Per measured step, in the same run (so that the machine's load affects both sides
 alike):
 
 * ``step``: the training step (forward, backward, the optimizer's step with the probe's
@@ -21,8 +21,8 @@ alike):
 Prints the medians, ``jvp / forward`` (the goal: <= 2.5), the probe's share of the measured step
 (``(jvp + realised) / step``) and its share of a step at the paper's ratio -- 2 probed of 32
 responses per rank (global batch 128 on 4 GPUs) -- composed from the same run's per-sequence
-costs of training and of probing, and with ``--profile`` the operators of one forward-mode pass by
-self CPU time beside a plain forward's. Report ``uptime`` with the figures: the ratios hold
+costs of training and of probing, and with ``--profile`` the operators of one forward-mode
+pass by self CPU time beside a plain forward's. Report ``uptime`` with the figures: the ratios hold
 under load, the seconds do not. With ``--device cuda`` it also reports
 ``torch.cuda.max_memory_allocated`` of the step's forward and backward, of the probe's
 forward-mode pass and of the realised-KL pass (the GPU check's ``kl_probe`` section: the probe
