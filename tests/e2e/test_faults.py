@@ -32,12 +32,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_logra.local_ports import free_port
 from megatron_logra.mcore.checkpointing.checkpoint import LATEST_FILE, MANIFEST, checkpoint_name
 from megatron_logra.train.metrics import read_metrics
 from tests.cli_runs import CliRuns
 from tests.layouts import LAYOUTS
 from tests.presets import tiny_gpt, tiny_logra_run
-from tests.torchrun import REPO, _free_port, rank_env, run_torchrun, torchrun_env
+from tests.torchrun import REPO, rank_env, run_torchrun, torchrun_env
 
 pytestmark = pytest.mark.distributed
 
@@ -84,7 +85,7 @@ class _Ranks:
                  file_size_limit: int | None = None) -> None:
         self.run_dir, self.ckpt = runs.root / name, runs.checkpoint_dir(name)
         command = [sys.executable, *runs.cli_args(overrides, self.run_dir, self.ckpt)]
-        port = _free_port()
+        port = free_port()
         self.logs = [runs.root / f"{name}.rank{rank}.log" for rank in range(nproc)]
 
         def limit() -> None:
