@@ -191,5 +191,7 @@ def test_rollout_package_imports_no_megatron_and_nothing_of_the_trainer(path):
     imported = _imports(path)
     assert not [m for m in imported if _is_megatron(m)]
     ours = [m for m in imported if m.startswith("megatron_logra")]
+    # local_ports: a standard-library helper for rendezvous ports, nothing of the trainer.
     assert all(m.startswith(("megatron_logra.rollout", "megatron_logra.config",
-                             "megatron_logra.sync")) for m in ours), ours
+                             "megatron_logra.sync", "megatron_logra.local_ports"))
+               for m in ours), ours
