@@ -5,8 +5,8 @@ same range it numbers outgoing connections from. Released and bound again a few 
 another process (a rollout engine's rank 0 after importing Megatron and building its model),
 such a port can meanwhile have become the local end of one of the many connections gloo and the
 rendezvous stores open -- "Address already in use" (a rollout engine's start failed so in the
-suite on a 2-core machine, 2026-12-04). :func:`free_port` picks ports below the ephemeral range instead, which
-the kernel never assigns on its own, and checks that nobody holds one now.
+suite on a 2-core machine, 2026-12-04). :func:`free_port` picks ports below the ephemeral range
+instead, which the kernel never assigns on its own, and checks that nobody holds one now.
 """
 
 from __future__ import annotations

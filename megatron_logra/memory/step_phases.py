@@ -121,8 +121,8 @@ def _piece_pass_bytes(shape: ModelShape, layout: Layout, tokens: int, e: int,
                       tangents: bool) -> float:
     """The widest moment of one probe piece's pass through a layer: its core attention (with
     ``tangents``, the tangent rule's blocks, bounded by :data:`PROBE_BLOCK_ELEMENTS` and
-    :data:`PROBE_BLOCK_ROWS`) with the piece's attention-width tensors, or a chunk of its MLP with
-    the piece's hidden-width tensors, whichever is larger."""
+    :data:`PROBE_BLOCK_ROWS`) with the piece's attention-width tensors, or a chunk of its MLP
+    with the piece's hidden-width tensors, whichever is larger."""
     t = layout.tp
     heads = shape.num_attention_heads / t
     ffn = shape.fc1_width / 2 / t

@@ -90,8 +90,8 @@ CONSOLE_FIELDS: tuple[str, ...] = (
     "loss", "reward", "accuracy", "response_length", "truncated_fraction", "eval_greedy",
     "eval_pass@1", "eval_truncated", "grad_norm", "lr", "kl_predicted_scaled", "kl_realized",
     "alpha", "tokens_per_s", "step_time_s", "rollout_time_s", "update_time_s",
-    "kl_probe_time_s", "microbatches", "padding_fraction", "master_merge_time_s", "sync_mode", "sync_bytes",
-    "sync_time_s", "sync_weights_match", "mem_bytes",
+    "kl_probe_time_s", "microbatches", "padding_fraction", "master_merge_time_s", "sync_mode",
+    "sync_bytes", "sync_time_s", "sync_weights_match", "mem_bytes",
 )
 
 

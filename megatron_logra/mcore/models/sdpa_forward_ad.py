@@ -16,11 +16,11 @@ Bounded blocks: the rule forms ``P`` for a block of query rows at a time, sized 
 ``[b, heads, rows, keys]`` block holds at most :data:`BLOCK_ELEMENTS` elements whatever the
 sequence length (at least one row, at most :data:`BLOCK_ROWS`), and under a causal mask a
 block reads only the keys its rows can see (``keys = last row + 1``: about half the work of
-the square). Two block-sized tensors are alive
-at a time (the probabilities and the weighted score tangent, updated in place); grouped-query
-heads are folded into the rows of their key/value head, so keys and values are never repeated in
-memory; nothing is kept after the layer (the probe runs under no_grad). Rows whose keys are all
-masked are zero in the fused kernel's output (a constant), so their tangent is zero.
+the square). Two block-sized tensors are alive at a time (the probabilities and the weighted
+score tangent, updated in place); grouped-query heads are folded into the rows of their
+key/value head, so keys and values are never repeated in memory; nothing is kept after the
+layer (the probe runs under no_grad). Rows whose keys are all masked are zero in the fused
+kernel's output (a constant), so their tangent is zero.
 
 Shapes: ``[b, heads, s, head_dim]`` (SDPA's layout); keys and values may have fewer heads
 (grouped-query attention), each serving ``heads / kv_heads`` consecutive query heads.
